@@ -1,0 +1,76 @@
+"""Every private JAX API b12x_jax touches, in one place.
+
+Each helper says which JAX versions it was checked on and when it can go.
+The package declares jax>=0.11,<0.12.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def drop_varying_axis(aval, axis_name: str):
+  """``aval`` with ``axis_name`` removed from its varying manual axes: the
+  output of a sum over the axis is the same on every rank, as for psum.
+
+  jax 0.11 keeps varying axes in ``aval.mat.varying``; older releases kept
+  them in ``aval.vma``. Goes when JAX exposes a public cast to invariant.
+  """
+  mat = getattr(aval, "mat", None)
+  if mat is not None:
+    varying = frozenset(a for a in mat.varying if a != axis_name)
+    return aval.update(manual_axis_type=mat.update(varying=varying))
+  vma = getattr(aval, "vma", None)
+  if vma is not None:
+    return aval.update(vma=frozenset(a for a in vma if a != axis_name))
+  return aval
+
+
+def axis_device_groups(ctx, axis_name: str) -> list[tuple]:
+  """The device groups of a mesh axis, from a lowering context inside
+  ``shard_map``: one tuple per position of the other axes, devices in the
+  order of ``axis_index``.
+
+  Reads ``ctx.module_context.axis_context`` (a ``SPMDAxisContext`` on jax
+  0.11). When shard_map was given an abstract mesh, its devices are the
+  module's device assignment in mesh order.
+  """
+  axis_context = ctx.module_context.axis_context
+  mesh = getattr(axis_context, "mesh", None)
+  if mesh is None:
+    raise ValueError(
+        f"axis {axis_name!r} is not a shard_map mesh axis in this lowering "
+        "(b12x_jax collectives run inside jax.shard_map)")
+  names = tuple(mesh.axis_names)
+  if axis_name not in names:
+    raise ValueError(f"axis {axis_name!r} is not one of the mesh axes {names}")
+  devices = getattr(mesh, "devices", None)
+  if devices is None:  # AbstractMesh: take the devices of the module.
+    assignment = ctx.module_context.device_assignment
+    devices = np.array(assignment, dtype=object).reshape(tuple(mesh.axis_sizes))
+  devices = np.asarray(devices, dtype=object)
+  along = np.moveaxis(devices, names.index(axis_name), -1)
+  return [tuple(row) for row in along.reshape(-1, along.shape[-1])]
+
+
+def device_ordinal(device) -> int:
+  """The ordinal XLA passes to FFI handlers as ``DeviceOrdinal`` for this
+  device: its local hardware id (checked on jax 0.11.2, CPU and CUDA)."""
+  ordinal = getattr(device, "local_hardware_id", None)
+  return int(device.id if ordinal is None else ordinal)
+
+
+def platform_of(devices: Sequence) -> str:
+  """'cpu', 'cuda', 'rocm' or another XLA platform name of a device group.
+  JAX reports both GPU platforms as 'gpu'; the client's version tells them
+  apart."""
+  platforms = {d.platform for d in devices}
+  if len(platforms) != 1:
+    raise ValueError(f"a device group spans several platforms: {sorted(platforms)}")
+  platform = platforms.pop()
+  if platform != "gpu":
+    return platform
+  version = str(getattr(devices[0].client, "platform_version", "")).lower()
+  return "rocm" if "rocm" in version else "cuda"

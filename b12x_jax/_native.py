@@ -1,0 +1,89 @@
+"""The bridge to the native module ``b12x_jax._b12x``: FFI target
+registration and the preparation calls, with native errors turned into
+b12x_jax errors."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+
+from b12x_jax import _b12x
+from b12x_jax.errors import ChannelError, TransportError
+
+_registered = False
+_register_lock = threading.Lock()
+# Device groups whose peer access passed its probe, per process.
+_probed: set[tuple[int, ...]] = set()
+
+
+def platforms() -> tuple[str, ...]:
+  """Platforms this build has a backend for."""
+  return ("cpu", "cuda") if _b12x.has_cuda() else ("cpu",)
+
+
+def ensure_registered() -> None:
+  """Registers the FFI targets with XLA, once, after the backends exist
+  (registering before can break the CPU backend's start: DESIGN §4)."""
+  global _registered
+  with _register_lock:
+    if _registered:
+      return
+    jax.devices()
+    for platform, targets in _b12x.handlers().items():
+      if platform == "CUDA" and not _has_gpu_backend():
+        continue
+      for name, capsule in targets.items():
+        jax.ffi.register_ffi_target(name, capsule, platform=platform)
+    _registered = True
+
+
+def _has_gpu_backend() -> bool:
+  try:
+    return bool(jax.devices("gpu"))
+  except RuntimeError:
+    return False
+
+
+def prepare(platform: str, channel: str, ordinals: list[int], *, capacity_bytes: int, timeout_s: float,
+            max_blocks: int | None, broken: dict) -> None:
+  """Allocates ``channel`` for one group. A CUDA group's peer access is
+  probed first (once per group); a failed probe is remembered in ``broken``
+  and raised as TransportError."""
+  try:
+    if platform == "cpu":
+      _b12x.prepare_host(channel, ordinals, capacity_bytes, timeout_s)
+    elif platform == "cuda":
+      group = tuple(ordinals)
+      if group not in _probed:
+        problem = _b12x.probe_peer_access(ordinals)
+        if problem:
+          reason = f"peer access between GPUs {ordinals} does not work: {problem}"
+          broken[("cuda", group)] = reason
+          raise TransportError(reason)
+        _probed.add(group)
+      _b12x.prepare_cuda(channel, ordinals, capacity_bytes, timeout_s, max_blocks or 0)
+    else:
+      raise TransportError(f"no b12x backend for platform {platform!r}")
+  except ValueError as e:  # nanobind maps std::invalid_argument to ValueError
+    raise ChannelError(str(e)) from None
+  except RuntimeError as e:
+    if isinstance(e, TransportError):
+      raise
+    raise TransportError(f"b12x_jax: preparing channel {channel!r} on {platform} devices {ordinals} failed: {e}") \
+        from None
+
+
+def release(platform: str, channel: str) -> None:
+  _b12x.release(platform, channel)
+
+
+def stats(platform: str, channel: str, ordinal: int) -> dict:
+  try:
+    return dict(_b12x.stats(platform, channel, ordinal))
+  except ValueError as e:
+    raise ChannelError(str(e)) from None
+
+
+def pending_errors() -> list[str]:
+  return list(_b12x.pending_errors())

@@ -1,0 +1,97 @@
+"""Channel scopes: which channel a traced collective belongs to.
+
+A channel is one totally ordered sequence of collectives with its own signal
+counters and staging memory (DESIGN §2). Its name is taken from the
+innermost ``with channel(name):`` scope active while a function is traced,
+and attached to the custom call as the static attribute ``channel_id``.
+
+The scope is a ``jax.make_user_context`` value, so it is part of every jit
+and trace cache key: the same jitted function traced under "target" and
+under "draft" is traced, lowered and compiled twice, into two executables
+bound to two channels, and a nested trace inherits its enclosing channel.
+
+Known escapes (by construction of JAX, documented and tested):
+  * other Python threads do not see a scope entered in this thread;
+  * a ``vjp_fn`` called outside the scope traces under the scope active then;
+  * AOT-compiled (``lower().compile()``) and exported functions keep the
+    channel they were lowered with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+from collections.abc import Iterator
+
+import jax
+
+from b12x_jax.errors import ChannelError
+
+DEFAULT_CHANNEL = "default"
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+# Part of jit's cache key: retracing per channel is what keeps two channels'
+# executables apart.
+_channel_context = jax.make_user_context(default_value=None)
+
+_strict = threading.Event()
+
+
+def validate_channel_name(name: object, where: str) -> str:
+  """Returns ``name`` if it is a valid channel name, else raises ChannelError."""
+  if not isinstance(name, str) or not _NAME.match(name):
+    raise ChannelError(
+        f"{where}: channel name must be 1-64 characters of letters, digits, '_', '.' or '-', "
+        f"got {name!r}; use a stable semantic name such as 'target' or 'draft'")
+  return name
+
+
+@contextlib.contextmanager
+def channel(name: str) -> Iterator[str]:
+  """Traces every collective inside the block on channel ``name``.
+
+  Computations that can run independently of each other (a target and a
+  draft model; profiling and production) must use different channels.
+  Scopes nest; the innermost wins. Yields the name.
+  """
+  validate_channel_name(name, "b12x_jax.channel")
+  with _channel_context(name):
+    yield name
+
+
+def current_channel() -> str | None:
+  """The channel of the innermost active scope, or None outside any scope."""
+  return _channel_context.value
+
+
+def set_strict(enabled: bool = True) -> None:
+  """In strict mode a collective traced outside any channel scope (and
+  without ``channel=``) raises instead of using channel "default", and a
+  channel must be prepared explicitly (``Communicator.prepare``) before use.
+  """
+  if enabled:
+    _strict.set()
+  else:
+    _strict.clear()
+
+
+def is_strict() -> bool:
+  return _strict.is_set()
+
+
+def resolve_channel(explicit: str | None, op: str) -> str:
+  """The channel a collective traced now belongs to: ``explicit``, else the
+  active scope, else "default" (an error in strict mode)."""
+  if explicit is not None:
+    return validate_channel_name(explicit, f"b12x_jax.{op}(channel=...)")
+  scoped = current_channel()
+  if scoped is not None:
+    return scoped
+  if is_strict():
+    raise ChannelError(
+        f"b12x_jax.{op}: traced outside any channel scope in strict mode; wrap the "
+        f"computation in `with b12x_jax.channel(name):` or pass channel=... "
+        f"(or leave strict mode: b12x_jax.set_strict(False))")
+  return DEFAULT_CHANNEL

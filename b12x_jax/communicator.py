@@ -1,0 +1,257 @@
+"""Communicator: which channels exist in this process, their memory, and the
+policy that decides, per call, between the b12x path and the psum path.
+
+Preparation allocates, zero-fills and connects a channel's memory for one
+group of devices (DESIGN C4). It runs before any execution that uses the
+channel: explicitly through ``Communicator.prepare``, or, unless strict mode
+is on, when a collective is first lowered for that group. It never runs in
+the execute stage, under graph capture, or at XLA compile time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import dataclasses
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+import numpy as np
+
+from b12x_jax import _compat, _native
+from b12x_jax.channels import is_strict, validate_channel_name
+from b12x_jax.errors import ChannelError, CollectiveTimeoutError, IneligibleError, TransportError
+
+MiB = 1 << 20
+Policy = Literal["auto", "strict", "psum"]
+_POLICIES = ("auto", "strict", "psum")
+_SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+PACK_BYTES = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """Which path one traced collective took, and why."""
+  op: str
+  channel: str
+  path: Literal["b12x", "psum"]
+  reason: str
+
+
+class Communicator:
+  """The channels of this process and the rules for using them.
+
+  Args:
+    capacity_bytes: staging capacity of one call (per slot), default 8 MiB.
+      Larger payloads take the psum path (policy "auto") or raise ("strict").
+    timeout_s: bound on every wait for a peer (DESIGN C8), default 10 s.
+    policy: "auto" falls back to psum outside the b12x window, "strict"
+      raises there instead, "psum" forces the psum path for every call.
+    max_blocks: largest CUDA grid of one call; None takes min(64, SM count).
+  """
+
+  def __init__(self, *, capacity_bytes: int = 8 * MiB, timeout_s: float = 10.0,
+               policy: Policy = "auto", max_blocks: int | None = None):
+    if not isinstance(capacity_bytes, int) or capacity_bytes < PACK_BYTES or capacity_bytes % PACK_BYTES:
+      raise ValueError(f"Communicator: capacity_bytes must be a positive multiple of 16, got {capacity_bytes!r}")
+    if not timeout_s > 0:
+      raise ValueError(f"Communicator: timeout_s must be > 0, got {timeout_s!r}")
+    if policy not in _POLICIES:
+      raise ValueError(f"Communicator: policy must be one of {_POLICIES}, got {policy!r}")
+    if max_blocks is not None and not 1 <= max_blocks <= 64:
+      raise ValueError(f"Communicator: max_blocks must be in [1, 64] or None, got {max_blocks!r}")
+    self.capacity_bytes = capacity_bytes
+    self.timeout_s = float(timeout_s)
+    self.policy: Policy = policy
+    self.max_blocks = max_blocks
+    self.decisions: collections.deque[Decision] = collections.deque(maxlen=1024)
+    self._lock = threading.RLock()
+    # (platform, channel) -> prepared groups, each a tuple of device ordinals in rank order.
+    self._groups: dict[tuple[str, str], list[tuple[int, ...]]] = {}
+    # device-ordinal groups whose peer access failed its probe -> why.
+    self._broken: dict[tuple[str, tuple[int, ...]], str] = {}
+    self._closed = False
+
+  # -- the per-call decision (DESIGN C12) ------------------------------------
+
+  def choose_path(self, op: str, channel: str, nbytes: int, dtype, axis_size: int) -> Decision:
+    """Decides, at trace time, whether a call of ``nbytes`` of ``dtype`` over
+    ``axis_size`` ranks runs on b12x or on psum; raises under policy
+    "strict" where b12x cannot run it. Records the decision."""
+    name = np.dtype(dtype).name
+    if self.policy == "psum":
+      reason = "policy 'psum' forces the psum path"
+    elif name not in _SUPPORTED_DTYPES:
+      reason = f"dtype {name} is not one of {_SUPPORTED_DTYPES}"
+    elif nbytes % PACK_BYTES:
+      reason = f"payload of {nbytes} bytes is not a multiple of 16 bytes"
+    elif nbytes > self.capacity_bytes:
+      reason = f"payload of {nbytes} bytes exceeds capacity_bytes={self.capacity_bytes}"
+    elif axis_size > 8:
+      reason = f"axis of {axis_size} devices exceeds the 8 ranks a channel serves"
+    else:
+      return self._record(Decision(op, channel, "b12x", "inside the b12x window"))
+    if self.policy == "strict":
+      raise IneligibleError(
+          f"b12x_jax.{op}: {reason} (policy 'strict'). Pad the payload to a multiple of 16 bytes, "
+          f"raise Communicator(capacity_bytes=...), or use policy='auto' to fall back to psum")
+    return self._record(Decision(op, channel, "psum", reason))
+
+  def _record(self, decision: Decision) -> Decision:
+    self.decisions.append(decision)
+    return decision
+
+  # -- preparation -------------------------------------------------------------
+
+  def prepare(self, mesh, axis_name: str, channels: Iterable[str] = ("default",)) -> None:
+    """Prepares ``channels`` for every device group of ``mesh`` along
+    ``axis_name``, in sorted channel-name order. Needed before use in strict
+    mode; otherwise optional (the first lowering prepares)."""
+    if axis_name not in mesh.axis_names:
+      raise ValueError(f"Communicator.prepare: axis_name {axis_name!r} is not one of the mesh axes "
+                       f"{tuple(mesh.axis_names)}")
+    names = sorted({validate_channel_name(c, "Communicator.prepare(channels=...)") for c in channels})
+    devices = np.moveaxis(np.asarray(mesh.devices, dtype=object), list(mesh.axis_names).index(axis_name), -1)
+    groups = [tuple(row) for row in devices.reshape(-1, devices.shape[-1])]
+    for name in names:
+      for group in groups:
+        self._prepare_group(name, group)
+
+  def ensure_prepared(self, op: str, channel: str, groups: Sequence[Sequence]) -> Decision | None:
+    """Called while lowering: makes sure every device group has ``channel``.
+    Returns a psum Decision when the transport of a group is broken and the
+    policy allows the fallback, else None."""
+    for group in groups:
+      platform = _compat.platform_of(group)
+      if platform not in _native.platforms():
+        return self._ineligible(op, channel, f"no b12x backend for platform {platform!r} in this build")
+      ordinals = tuple(_compat.device_ordinal(d) for d in group)
+      broken = self._broken.get((platform, ordinals))
+      if broken is None and not self._is_prepared(platform, channel, ordinals):
+        if is_strict():
+          raise ChannelError(
+              f"b12x_jax.{op}: channel {channel!r} is not prepared for devices {list(ordinals)} and strict "
+              f"mode is on; call b12x_jax.get_communicator().prepare(mesh, axis_name, "
+              f"channels=[{channel!r}]) before tracing")
+        try:
+          self._prepare_group(channel, group)
+        except TransportError as e:
+          broken = str(e)
+      if broken is not None:
+        return self._ineligible(op, channel, broken)
+    return None
+
+  def _ineligible(self, op: str, channel: str, reason: str) -> Decision:
+    if self.policy == "strict":
+      raise TransportError(f"b12x_jax.{op}: {reason} (policy 'strict'; policy='auto' falls back to psum)")
+    return self._record(Decision(op, channel, "psum", reason))
+
+  def _is_prepared(self, platform: str, channel: str, ordinals: tuple[int, ...]) -> bool:
+    with self._lock:
+      return ordinals in self._groups.get((platform, channel), ())
+
+  def _prepare_group(self, channel: str, group: Sequence) -> None:
+    platform = _compat.platform_of(group)
+    ordinals = tuple(_compat.device_ordinal(d) for d in group)
+    with self._lock:
+      if self._closed:
+        raise ChannelError("b12x_jax: this Communicator is closed; make a new one (b12x_jax.set_communicator)")
+      if ordinals in self._groups.get((platform, channel), ()):
+        return
+      if len(set(ordinals)) != len(ordinals):
+        raise ChannelError(f"b12x_jax: device group {list(ordinals)} names a device twice")
+      _native.prepare(platform, channel, list(ordinals), capacity_bytes=self.capacity_bytes,
+                      timeout_s=self.timeout_s, max_blocks=self.max_blocks, broken=self._broken)
+      self._groups.setdefault((platform, channel), []).append(ordinals)
+
+  # -- inspection --------------------------------------------------------------
+
+  def prepared_channels(self) -> dict[str, list[tuple[int, ...]]]:
+    """Channel name -> prepared device groups (ordinals in rank order)."""
+    with self._lock:
+      out: dict[str, list[tuple[int, ...]]] = {}
+      for (_, channel), groups in self._groups.items():
+        out.setdefault(channel, []).extend(groups)
+      return out
+
+  def stats(self, channel: str, device) -> dict:
+    """Read-only state of ``device``'s rank on ``channel``: rank, world,
+    epoch (calls completed), poisoned, capacity_bytes. For tests and
+    debugging; on CUDA it copies from the device."""
+    return _native.stats(_compat.platform_of([device]), channel, _compat.device_ordinal(device))
+
+  def check_errors(self) -> None:
+    """Raises CollectiveTimeoutError if any wait of this process timed out,
+    also one replayed from a CUDA graph (no handler ran to report it)."""
+    messages = _native.pending_errors()
+    if messages:
+      raise CollectiveTimeoutError("\n".join(messages))
+
+  # -- teardown (DESIGN C11) ---------------------------------------------------
+
+  def release(self, channel: str) -> None:
+    """Frees ``channel`` on every platform after the work queued on it is done;
+    it can be prepared again later under the same name."""
+    with self._lock:
+      for platform, name in list(self._groups):
+        if name == channel:
+          _native.release(platform, channel)
+          del self._groups[(platform, name)]
+
+  def close(self) -> None:
+    """Releases every channel. Harmless to call twice."""
+    with self._lock:
+      for _, channel in list(self._groups):
+        self.release(channel)
+      self._closed = True
+
+  @property
+  def closed(self) -> bool:
+    return self._closed
+
+  def __del__(self):
+    # Never frees: compiled executables and CUDA graphs may still hold the
+    # channel's pointers (DESIGN C11). Memory goes with close() or the process.
+    pass
+
+
+_active: Communicator | None = None
+_active_lock = threading.Lock()
+
+
+def get_communicator() -> Communicator:
+  """The communicator of this process; a default one is made on first use."""
+  global _active
+  with _active_lock:
+    if _active is None:
+      _active = Communicator()
+    return _active
+
+
+def set_communicator(communicator: Communicator) -> None:
+  """Makes ``communicator`` the one collectives use from now on. The previous
+  one must hold no prepared channel: close() it first."""
+  global _active
+  if not isinstance(communicator, Communicator):
+    raise TypeError(f"set_communicator: expected a Communicator, got {type(communicator).__name__}")
+  with _active_lock:
+    if _active is not None and _active is not communicator and _active.prepared_channels():
+      raise ChannelError("set_communicator: the current communicator still holds prepared channels "
+                         f"{sorted(_active.prepared_channels())}; call its close() first")
+    _active = communicator
+
+
+def _close_at_exit() -> None:
+  # Registered after jax's own exit hooks, so it runs before them: pending
+  # work finishes, then memory is released while the backends still exist.
+  if _active is None or not _active.prepared_channels():
+    return
+  import jax
+  try:
+    jax.effects_barrier()
+  finally:
+    _active.close()
+
+
+atexit.register(_close_at_exit)

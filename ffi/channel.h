@@ -1,0 +1,92 @@
+// Channel memory layout, shared by the CPU and CUDA backends.
+//
+// A channel is one totally ordered sequence of collectives. Every rank of a
+// channel owns one `Signal` and one staging region in its own memory; peers
+// write into both (push), the owner reads them. All ranks of a channel
+// allocate the same layout, so an offset computed on one rank is valid on
+// every rank.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define B12X_HD __host__ __device__ __forceinline__
+#else
+#define B12X_HD inline
+#endif
+
+namespace b12x {
+
+// Largest group one channel serves (one host: 8 GPUs).
+inline constexpr int kMaxRanks = 8;
+// Largest grid a collective may launch. Every block of a call waits on peers,
+// so the whole grid must be resident at once (DESIGN C10): checked against
+// the SM count when a CUDA channel is prepared.
+inline constexpr int kMaxBlocks = 64;
+// Staging and payload granularity: one 16-byte vector per thread per step.
+inline constexpr size_t kPackBytes = 16;
+
+// Signal region of one rank. Block b of a call synchronises with block b of
+// every peer through these words only, so blocks never wait on each other
+// inside a rank.
+struct alignas(128) Signal {
+  // counter[b][p]: calls in which block b of this rank met peer p. It is the
+  // channel's epoch as seen by that block and selects the staging slot
+  // (counter % 2). Written only by this rank.
+  uint32_t counter[kMaxBlocks][kMaxRanks];
+  // flag[parity][b][p]: the last counter value peer p announced to block b of
+  // this rank. Two parity words let a peer that is one call ahead announce
+  // call k+1 while this rank is still waiting for the announcement of call k.
+  uint32_t flag[2][kMaxBlocks][kMaxRanks];
+  // Non-zero once a wait on this rank timed out: later calls on the channel
+  // exit at once (DESIGN C8, the channel is poisoned until released).
+  uint32_t poisoned;
+};
+static_assert(sizeof(Signal) % 128 == 0, "Signal must keep its 128-byte alignment");
+static_assert(sizeof(Signal::counter) == kMaxBlocks * kMaxRanks * sizeof(uint32_t));
+
+// What a failed wait leaves for the host: filled once, by the first waiter
+// that timed out, and read by the handler or by `check_errors()`. On CUDA it
+// lives in mapped host memory so the host can read it without a sync, also
+// when the call was replayed from a CUDA graph and no handler ran.
+struct ErrorRecord {
+  uint32_t state;   // 0: none, 1: being written, 2: complete
+  int32_t rank;     // the rank that waited
+  int32_t peer;     // the rank that did not arrive
+  uint32_t epoch;   // the counter value it waited for
+};
+inline constexpr uint32_t kErrorNone = 0;
+inline constexpr uint32_t kErrorWriting = 1;
+inline constexpr uint32_t kErrorComplete = 2;
+
+// Staging layout of one rank: [slot 0..1][source rank][block][block_bytes].
+// Block b of source q only ever writes its own cell, and block b of the
+// owner only reads the cells of block b, so the reuse argument of
+// `protocol.h` holds block by block whatever grid a call uses.
+struct StagingLayout {
+  size_t block_bytes;  // capacity of one (slot, source, block) cell
+  int world;
+  int max_blocks;
+
+  B12X_HD size_t cell_offset(int slot, int source, int block) const {
+    return ((static_cast<size_t>(slot) * world + source) * max_blocks + block) * block_bytes;
+  }
+  B12X_HD size_t total_bytes() const { return cell_offset(2, 0, 0); }
+  // Largest payload one call can stage: every block full.
+  B12X_HD size_t capacity() const { return block_bytes * max_blocks; }
+};
+
+// Everything one rank needs to run a collective, as plain values so it can
+// be passed to a kernel by value. Pointers are valid on this rank's device.
+struct ChannelView {
+  Signal* signals[kMaxRanks];    // signals[r]: rank r's signal region
+  char* staging[kMaxRanks];      // staging[r]: rank r's staging region
+  ErrorRecord* error;            // this rank's error record
+  StagingLayout layout;
+  uint64_t timeout_ns;
+  int rank;
+  int world;
+};
+
+}  // namespace b12x

@@ -1,0 +1,70 @@
+#include "host_channel.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <stdexcept>
+
+#include "host_memory.h"
+
+namespace b12x {
+namespace {
+
+void* zeroed(size_t bytes) {
+  const size_t rounded = (bytes + 127) / 128 * 128;
+  void* p = std::aligned_alloc(128, rounded);
+  if (p == nullptr) throw std::bad_alloc();
+  std::memset(p, 0, rounded);
+  return p;
+}
+
+class HostGroup final : public ChannelGroup {
+ public:
+  HostGroup(const std::string& channel, std::vector<int> ordinals, size_t capacity_bytes, double timeout_s)
+      : ChannelGroup(channel, Platform::kHost, std::move(ordinals), timeout_s) {
+    const int world = this->world();
+    // The host backend runs one "block" per call: all of a call in one cell.
+    const StagingLayout layout{capacity_bytes, world, 1};
+    ChannelView view{};
+    view.layout = layout;
+    view.world = world;
+    view.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+    for (int r = 0; r < world; ++r) {
+      view.signals[r] = static_cast<Signal*>(zeroed(sizeof(Signal)));
+      view.staging[r] = static_cast<char*>(zeroed(layout.total_bytes()));
+      allocations_.push_back(view.signals[r]);
+      allocations_.push_back(view.staging[r]);
+      host_errors_.push_back(static_cast<ErrorRecord*>(zeroed(sizeof(ErrorRecord))));
+      allocations_.push_back(host_errors_.back());
+    }
+    for (int r = 0; r < world; ++r) {
+      view.rank = r;
+      view.error = host_errors_[r];
+      views_.push_back(view);
+    }
+  }
+
+  ~HostGroup() override {
+    for (void* p : allocations_) std::free(p);
+  }
+
+  uint32_t read_epoch(int rank) const override {
+    const ChannelView& v = views_[rank];
+    return HostMem::load_relaxed(&v.signals[rank]->counter[0][rank == 0 ? 1 : 0]);
+  }
+  bool read_poisoned(int rank) const override {
+    return HostMem::load_relaxed(&views_[rank].signals[rank]->poisoned) != 0;
+  }
+
+ private:
+  std::vector<void*> allocations_;
+};
+
+}  // namespace
+
+std::unique_ptr<ChannelGroup> make_host_group(const std::string& channel, std::vector<int> ordinals,
+                                              size_t capacity_bytes, double timeout_s) {
+  return std::make_unique<HostGroup>(channel, std::move(ordinals), capacity_bytes, timeout_s);
+}
+
+}  // namespace b12x

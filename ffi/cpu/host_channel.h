@@ -1,0 +1,18 @@
+// Channel memory in host memory, for the devices of one process.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../registry.h"
+
+namespace b12x {
+
+// Allocates and zero-fills one Signal, one staging region and one error
+// record per rank; every rank sees every other rank's memory directly.
+std::unique_ptr<ChannelGroup> make_host_group(const std::string& channel, std::vector<int> ordinals,
+                                              size_t capacity_bytes, double timeout_s);
+
+}  // namespace b12x

@@ -1,0 +1,115 @@
+#include "progress.h"
+
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <utility>
+
+#include "../protocol.h"
+#include "host_memory.h"
+
+namespace b12x {
+namespace {
+
+struct Pending {
+  HostCall call;
+  bool staged = false;
+  uint64_t deadline_ns = 0;
+};
+
+class ProgressEngine {
+ public:
+  static ProgressEngine& get() {
+    static ProgressEngine* engine = new ProgressEngine();  // lives until exit: calls may be in flight
+    return *engine;
+  }
+
+  void submit(HostCall call) {
+    std::lock_guard lock(mutex_);
+    queues_[{call.handle.group, call.handle.rank}].push_back(Pending{std::move(call)});
+    ++pending_;
+    wake_.notify_one();
+  }
+
+ private:
+  ProgressEngine() { std::thread([this] { run(); }).detach(); }
+
+  void run() {
+    std::unique_lock lock(mutex_);
+    for (;;) {
+      wake_.wait(lock, [this] { return pending_ > 0; });
+      bool progressed = false;
+      for (auto& [key, queue] : queues_) {
+        while (!queue.empty() && advance(queue.front())) {
+          queue.pop_front();
+          --pending_;
+          progressed = true;
+        }
+      }
+      if (!progressed) {
+        // Peers are other ranks' submissions: let XLA's threads make them.
+        lock.unlock();
+        std::this_thread::yield();
+        lock.lock();
+      }
+    }
+  }
+
+  // Moves the head call of one rank forward; true when it completed.
+  static bool advance(Pending& p) {
+    const ChannelView& v = p.call.handle.view();
+    if (!p.staged) {
+      if (channel_poisoned<HostMem>(v)) {
+        return fail(p, timeout_message(*p.call.handle.group, p.call.handle.rank));
+      }
+      p.call.epoch = next_epoch<HostMem>(v, 0);
+      p.call.stage(v, p.call.epoch);
+      for (int peer = 0; peer < v.world; ++peer) {
+        if (peer != v.rank) arrive<HostMem>(v, 0, peer, p.call.epoch);
+      }
+      p.deadline_ns = HostMem::now_ns() + v.timeout_ns;
+      p.staged = true;
+    }
+    for (int peer = 0; peer < v.world; ++peer) {
+      if (peer == v.rank || peer_arrived<HostMem>(v, 0, peer, p.call.epoch)) continue;
+      if (HostMem::now_ns() <= p.deadline_ns) return false;
+      record_timeout<HostMem>(v, peer, p.call.epoch);
+      return fail(p, timeout_message(*p.call.handle.group, p.call.handle.rank));
+    }
+    p.call.finish(v, p.call.epoch);
+    complete(std::move(p.call.promise), std::nullopt);
+    return true;
+  }
+
+  // XLA runs the rest of the rank's program inside SetAvailable, on the
+  // completing thread, and that may block: complete on a thread of its own so
+  // the progress thread never waits for XLA.
+  static void complete(xla::ffi::Promise promise, std::optional<xla::ffi::Error> error) {
+    std::thread([promise = std::move(promise), error = std::move(error)]() mutable {
+      if (error) {
+        promise.SetError(*error);
+      } else {
+        promise.SetAvailable();
+      }
+    }).detach();
+  }
+
+  static bool fail(Pending& p, const std::string& message) {
+    complete(std::move(p.call.promise), xla::ffi::Error::Internal(message));
+    return true;
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::map<std::pair<const ChannelGroup*, int>, std::deque<Pending>> queues_;
+  size_t pending_ = 0;
+};
+
+}  // namespace
+
+void submit_host_call(HostCall call) { ProgressEngine::get().submit(std::move(call)); }
+
+}  // namespace b12x

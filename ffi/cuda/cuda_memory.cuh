@@ -1,0 +1,44 @@
+// Memory policy of the protocol for CUDA threads (see protocol.h): every
+// flag access is at system scope, so it orders peer (NVLink/PCIe) traffic.
+#pragma once
+
+#include <cstdint>
+
+namespace b12x {
+
+struct CudaMem {
+  static __device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+  }
+  static __device__ __forceinline__ uint32_t load_relaxed(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+  }
+  static __device__ __forceinline__ void store_release(uint32_t* p, uint32_t v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+  }
+  static __device__ __forceinline__ void fence() { __threadfence_system(); }
+  // `p` is always in the rank's own device memory (never mapped host memory,
+  // where device atomics are not guaranteed).
+  static __device__ __forceinline__ bool claim(uint32_t* p) { return atomicCAS(p, 0u, 1u) == 0u; }
+  static __device__ __forceinline__ uint64_t now_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+  }
+  static __device__ __forceinline__ void pause() {}
+};
+
+#define B12X_CUDA_CHECK(expr)                                                          \
+  do {                                                                                 \
+    cudaError_t b12x_err_ = (expr);                                                    \
+    if (b12x_err_ != cudaSuccess) {                                                    \
+      throw std::runtime_error(std::string("b12x_jax: ") + #expr + " failed: " +       \
+                               cudaGetErrorString(b12x_err_));                         \
+    }                                                                                  \
+  } while (0)
+
+}  // namespace b12x

@@ -1,0 +1,84 @@
+#include "registry.h"
+
+#include <cstdio>
+
+namespace b12x {
+
+Registry& Registry::get() {
+  static Registry* registry = new Registry();  // never destroyed: handlers may run at exit
+  return *registry;
+}
+
+std::string Registry::add(std::unique_ptr<ChannelGroup> group) {
+  std::unique_lock lock(mutex_);
+  for (const auto& existing : groups_) {
+    if (existing->platform() != group->platform() || existing->channel() != group->channel()) continue;
+    for (int ordinal : group->ordinals()) {
+      for (int other : existing->ordinals()) {
+        if (ordinal == other) {
+          return "channel '" + group->channel() + "' is already prepared on device " +
+                 std::to_string(ordinal) + " for another group of devices; one device serves a "
+                 "channel in one group only: use another channel name for this axis";
+        }
+      }
+    }
+  }
+  groups_.push_back(std::move(group));
+  return {};
+}
+
+RankHandle Registry::find(Platform platform, std::string_view channel, int ordinal) const {
+  std::shared_lock lock(mutex_);
+  for (const auto& group : groups_) {
+    if (group->platform() != platform || group->channel() != channel) continue;
+    const auto& ordinals = group->ordinals();
+    for (size_t r = 0; r < ordinals.size(); ++r) {
+      if (ordinals[r] == ordinal) return RankHandle{group.get(), static_cast<int>(r)};
+    }
+  }
+  return {};
+}
+
+std::vector<std::unique_ptr<ChannelGroup>> Registry::take(Platform platform, std::string_view channel) {
+  std::unique_lock lock(mutex_);
+  std::vector<std::unique_ptr<ChannelGroup>> taken, kept;
+  for (auto& group : groups_) {
+    auto& into = (group->platform() == platform && group->channel() == channel) ? taken : kept;
+    into.push_back(std::move(group));
+  }
+  groups_ = std::move(kept);
+  return taken;
+}
+
+std::vector<const ChannelGroup*> Registry::groups() const {
+  std::shared_lock lock(mutex_);
+  std::vector<const ChannelGroup*> out;
+  for (const auto& group : groups_) out.push_back(group.get());
+  return out;
+}
+
+std::string timeout_message(const ChannelGroup& group, int rank) {
+  const ErrorRecord& record = group.error_record(rank);
+  char text[512];
+  std::snprintf(text, sizeof(text),
+                "b12x_jax: channel '%s' rank %d timed out after %.3g s at epoch %u waiting for "
+                "rank %d, which did not arrive. The channel is poisoned: release it "
+                "(Communicator.release) and prepare it again; raise timeout_s if the peer is only slow.",
+                group.channel().c_str(), record.rank, group.timeout_s(), record.epoch, record.peer);
+  return text;
+}
+
+std::string pending_error(const ChannelGroup& group, int rank) {
+  const volatile uint32_t* state = &group.error_record(rank).state;
+  if (*state != kErrorComplete) return {};
+  return timeout_message(group, rank);
+}
+
+std::string unprepared_message(std::string_view op, std::string_view channel, int ordinal) {
+  return "b12x_jax." + std::string(op) + ": channel '" + std::string(channel) +
+         "' is not prepared on device " + std::to_string(ordinal) +
+         "; prepare it before running (b12x_jax.get_communicator().prepare(mesh, axis_name, "
+         "channels=['" + std::string(channel) + "']))";
+}
+
+}  // namespace b12x
