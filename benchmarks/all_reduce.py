@@ -1,0 +1,121 @@
+"""Per-op time of all_reduce vs jax.lax.psum, in one run.
+
+Each measurement is one executable of `--ops` chained collectives (each
+consumes the previous result: independent collectives get combined by XLA
+and time as nothing), timed over `--iters` runs after warm-up; the table
+shows the median per op. The psum column with XLA's one-shot kernel flag runs
+in a subprocess, since XLA flags are read at start.
+
+  python benchmarks/all_reduce.py            # GPUs if >= 2, else CPU devices
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20, 32 << 20]
+ONESHOT_FLAG = "--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE"
+# Emulated CPU devices for machines without GPUs (no effect on GPU runs).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+
+def measure(impls: list[str], sizes: list[int], ops: int, iters: int, devices: int) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+
+  platform = "gpu" if _gpus() >= 2 else "cpu"
+  mesh = jax.make_mesh((devices,), ("x",), devices=jax.devices(platform)[:devices])
+  results: dict = {}
+  for impl in impls:
+    op = (lambda x: b12x_jax.all_reduce(x, "x")) if impl == "b12x" else (lambda x: jax.lax.psum(x, "x"))
+
+    def body(x, op=op):
+      for _ in range(ops):
+        x = op(x)
+      return x
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+    for size in sizes:
+      elems = size // 2
+      x = jax.device_put(jnp.ones((devices * elems,), jnp.bfloat16) * 1e-3, NamedSharding(mesh, P("x")))
+      with b12x_jax.channel("bench"):
+        fn(x).block_until_ready()
+        times = []
+        for _ in range(iters):
+          start = time.perf_counter()
+          fn(x).block_until_ready()
+          times.append(time.perf_counter() - start)
+      path = b12x_jax.get_communicator().decisions[-1].path if impl == "b12x" else "psum"
+      results.setdefault(str(size), {})[impl] = {"us": float(np.median(times)) / ops * 1e6, "path": path}
+  b12x_jax.check_errors()
+  return results
+
+
+def _gpus() -> int:
+  import jax
+  try:
+    return len(jax.devices("gpu"))
+  except RuntimeError:
+    return 0
+
+
+def _fmt(size: int) -> str:
+  return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--ops", type=int, default=64)
+  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--devices", type=int, default=2)
+  parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
+  parser.add_argument("--impls", default="b12x,psum")
+  parser.add_argument("--json", help="write the results here too")
+  parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  sizes = [int(s) for s in args.sizes.split(",")]
+  if args.child:
+    print("RESULT " + json.dumps(measure(args.impls.split(","), sizes, args.ops, args.iters, args.devices)))
+    return
+  results = measure(args.impls.split(","), sizes, args.ops, args.iters, args.devices)
+  columns = args.impls.split(",")
+  if _gpus() >= 2:
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + ONESHOT_FLAG).strip())
+    child = subprocess.run([sys.executable, __file__, "--child", "--impls", "psum", "--ops", str(args.ops),
+                            "--iters", str(args.iters), "--devices", str(args.devices), "--sizes", args.sizes],
+                           env=env, capture_output=True, text=True)
+    line = [ln for ln in child.stdout.splitlines() if ln.startswith("RESULT ")]
+    if line:
+      for size, row in json.loads(line[0][7:]).items():
+        results[size]["psum_oneshot"] = row["psum"]
+      columns.append("psum_oneshot")
+    else:
+      print("psum with the one-shot flag failed:", child.stderr[-2000:])
+  print(f"\nall_reduce, bf16, {args.devices} devices, {args.ops} chained ops per executable, median of "
+        f"{args.iters} runs, us per op")
+  print("| size | " + " | ".join(columns) + " | psum / b12x |")
+  print("|---|" + "---|" * (len(columns) + 1))
+  for size in sizes:
+    row = results[str(size)]
+    cells = [f"{row[c]['us']:.1f}" + (" (psum path)" if row[c]["path"] == "psum" and c == "b12x" else "")
+             for c in columns]
+    speedup = row["psum"]["us"] / row["b12x"]["us"] if "b12x" in row and "psum" in row else float("nan")
+    print(f"| {_fmt(size)} | " + " | ".join(cells) + f" | {speedup:.2f}x |")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
