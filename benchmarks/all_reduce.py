@@ -20,6 +20,8 @@ import time
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20, 32 << 20]
 ONESHOT_FLAG = "--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE"
+# The baselines run in child processes on the same GPUs: no preallocation.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # Emulated CPU devices for machines without GPUs (no effect on GPU runs).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -91,24 +93,27 @@ def main() -> None:
   results = measure(args.impls.split(","), sizes, args.ops, args.iters, args.devices)
   columns = args.impls.split(",")
   if _gpus() >= 2:
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + ONESHOT_FLAG).strip())
-    child = subprocess.run([sys.executable, __file__, "--child", "--impls", "psum", "--ops", str(args.ops),
-                            "--iters", str(args.iters), "--devices", str(args.devices), "--sizes", args.sizes],
-                           env=env, capture_output=True, text=True)
-    line = [ln for ln in child.stdout.splitlines() if ln.startswith("RESULT ")]
-    if line:
+    # Columns that need other XLA flags, each measured in a child process.
+    for column, impl, flag in [("psum_oneshot", "psum", ONESHOT_FLAG),
+                               ("b12x_no_graphs", "b12x", "--xla_gpu_enable_command_buffer=")]:
+      env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flag).strip())
+      child = subprocess.run([sys.executable, __file__, "--child", "--impls", impl, "--ops", str(args.ops),
+                              "--iters", str(args.iters), "--devices", str(args.devices), "--sizes", args.sizes],
+                             env=env, capture_output=True, text=True)
+      line = [ln for ln in child.stdout.splitlines() if ln.startswith("RESULT ")]
+      if not line:
+        print(f"{column} failed:", child.stderr[-2000:])
+        continue
       for size, row in json.loads(line[0][7:]).items():
-        results[size]["psum_oneshot"] = row["psum"]
-      columns.append("psum_oneshot")
-    else:
-      print("psum with the one-shot flag failed:", child.stderr[-2000:])
+        results[size][column] = row[impl]
+      columns.append(column)
   print(f"\nall_reduce, bf16, {args.devices} devices, {args.ops} chained ops per executable, median of "
         f"{args.iters} runs, us per op")
   print("| size | " + " | ".join(columns) + " | psum / b12x |")
   print("|---|" + "---|" * (len(columns) + 1))
   for size in sizes:
     row = results[str(size)]
-    cells = [f"{row[c]['us']:.1f}" + (" (psum path)" if row[c]["path"] == "psum" and c == "b12x" else "")
+    cells = [f"{row[c]['us']:.1f}" + (" (psum path)" if row[c]["path"] == "psum" and c.startswith("b12x") else "")
              for c in columns]
     speedup = row["psum"]["us"] / row["b12x"]["us"] if "b12x" in row and "psum" in row else float("nan")
     print(f"| {_fmt(size)} | " + " | ".join(cells) + f" | {speedup:.2f}x |")

@@ -3,7 +3,7 @@
 # GPU tests and the benchmark, print a short summary. Logs go to $OUT when set.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/b12x_gpu_out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."

@@ -45,7 +45,7 @@ def test_all_reduce_matches_float64_reference_on_every_rank(dtype_name, nbytes):
 @pytest.mark.parametrize("graphs", ["on", "off"])
 def test_17_all_reduces_run_200_times_with_cuda_graphs_on_and_off(graphs):
   flags = "" if graphs == "on" else "--xla_gpu_enable_command_buffer="
-  result = run_worker("graphs", "--platform", "gpu", "--runs", "200", "--xla-flags", flags, hard_timeout=300)
+  result = run_worker("graphs", "--platform", "gpu", "--runs", "200", f"--xla-flags={flags}", hard_timeout=300)
   assert result["epoch"] == result["expected"]
 
 

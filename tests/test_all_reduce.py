@@ -1,0 +1,156 @@
+"""all_reduce on the CPU backend (emulated host devices): values against a
+float64 reference, channel isolation, the psum fallback, errors."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import b12x_jax
+from conftest import run_worker
+from helpers import DTYPES, assert_sum_matches, random_shards
+
+
+def _per_rank(mesh, **kwargs):
+  return jax.jit(jax.shard_map(lambda x: b12x_jax.all_reduce(x, "x", **kwargs), mesh=mesh, in_specs=P("x"),
+                               out_specs=P("x")))
+
+
+def _run(fn, mesh, shards):
+  return np.asarray(fn(jax.device_put(shards.reshape(-1), NamedSharding(mesh, P("x"))))).reshape(shards.shape)
+
+
+CAPACITY = 8 << 20
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("nbytes", [16, 4096, 1 << 20, CAPACITY, 2 * CAPACITY])
+def test_all_reduce_matches_float64_reference(cpu_mesh, n, dtype_name, nbytes):
+  dtype = DTYPES[dtype_name]
+  mesh = cpu_mesh(n)
+  fn = _per_rank(mesh)
+  rng = np.random.default_rng([n, nbytes])
+  with b12x_jax.channel(f"values{n}"):  # a device serves a channel in one group only
+    for _ in range(2):  # fresh inputs each call, both staging slots
+      shards = random_shards(rng, n, nbytes // np.dtype(dtype).itemsize, dtype)
+      assert_sum_matches(_run(fn, mesh, shards), shards, dtype_name, roundings=1 if nbytes <= CAPACITY else n)
+  decision = b12x_jax.get_communicator().decisions[-1]
+  assert decision.path == ("b12x" if nbytes <= CAPACITY else "psum"), decision
+
+
+def test_invariant_output_can_leave_shard_map_replicated(cpu_mesh):
+  mesh = cpu_mesh(2)
+  fn = jax.jit(jax.shard_map(lambda x: b12x_jax.all_reduce(x, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
+  shards = random_shards(np.random.default_rng(1), 2, 64, np.float32)
+  out = np.asarray(fn(jax.device_put(shards.reshape(-1), NamedSharding(mesh, P("x")))))
+  np.testing.assert_allclose(out, shards.astype(np.float64).sum(0), rtol=1e-6)
+
+
+def test_two_dimensional_mesh_reduces_within_each_group():
+  mesh = jax.make_mesh((2, 2), ("dp", "tp"), devices=jax.devices("cpu")[:4])
+  fn = jax.jit(jax.shard_map(lambda x: b12x_jax.all_reduce(x, "tp", channel="tp2d"), mesh=mesh,
+                             in_specs=P(("dp", "tp")), out_specs=P(("dp", "tp"))))
+  shards = random_shards(np.random.default_rng(2), 4, 32, np.float32)
+  out = np.asarray(fn(jax.device_put(shards.reshape(-1), NamedSharding(mesh, P(("dp", "tp")))))).reshape(4, 32)
+  for group in ([0, 1], [2, 3]):
+    for r in group:
+      np.testing.assert_allclose(out[r], shards[group].astype(np.float64).sum(0), rtol=1e-6)
+
+
+def test_target_and_draft_advance_separate_counters(cpu_mesh):
+  mesh = cpu_mesh(2)
+  fn = _per_rank(mesh)
+  comm = b12x_jax.get_communicator()
+  rng = np.random.default_rng(3)
+  calls = {"iso-target": 0, "iso-draft": 0}
+  for name in ["iso-target", "iso-draft", "iso-target", "iso-target", "iso-draft"]:
+    shards = random_shards(rng, 2, 128, np.float32)
+    with b12x_jax.channel(name):
+      assert_sum_matches(_run(fn, mesh, shards), shards, "float32")
+    calls[name] += 1
+    for channel, count in calls.items():
+      if count == 0:
+        continue
+      for device in mesh.devices.flat:
+        assert comm.stats(channel, device)["epoch"] == count
+
+
+def test_unknown_axis_is_a_clear_error(cpu_mesh):
+  mesh = cpu_mesh(2)
+  fn = jax.jit(jax.shard_map(lambda x: b12x_jax.all_reduce(x, "y"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  with pytest.raises(ValueError, match=r"b12x_jax.all_reduce: unknown axis_name 'y'.*shard_map"):
+    fn(jax.device_put(np.ones(4, np.float32), NamedSharding(mesh, P("x"))))
+
+
+def test_misaligned_size_under_strict_policy_is_a_clear_error(cpu_mesh):
+  mesh = cpu_mesh(2)
+  comm = b12x_jax.get_communicator()
+  comm.policy = "strict"
+  try:
+    fn = _per_rank(mesh)
+    with pytest.raises(b12x_jax.IneligibleError, match=r"all_reduce: payload of 12 bytes is not a multiple of 16"):
+      fn(jax.device_put(np.ones(6, np.float32), NamedSharding(mesh, P("x"))))
+  finally:
+    comm.policy = "auto"
+
+
+def test_misaligned_size_under_auto_policy_falls_back_to_psum(cpu_mesh):
+  mesh = cpu_mesh(2)
+  shards = random_shards(np.random.default_rng(4), 2, 3, np.float32)
+  with b12x_jax.channel("fallback"):
+    assert_sum_matches(_run(_per_rank(mesh), mesh, shards), shards, "float32")
+  decision = b12x_jax.get_communicator().decisions[-1]
+  assert decision.path == "psum" and "not a multiple of 16" in decision.reason
+
+
+def test_integer_dtype_falls_back_to_psum(cpu_mesh):
+  mesh = cpu_mesh(2)
+  shards = np.arange(16, dtype=np.int32).reshape(2, 8)
+  out = _run(_per_rank(mesh), mesh, shards)
+  assert (out == shards.sum(0)).all()
+  assert "dtype int32" in b12x_jax.get_communicator().decisions[-1].reason
+
+
+def test_a_peer_that_never_joins_times_out_with_names():
+  result = run_worker("timeout", "--platform", "cpu", "--timeout", "1.0", hard_timeout=120)
+  assert len(result["messages"]) == 2, result
+  for message in result["messages"]:
+    assert re.search(r"channel 'lonely' rank 0 timed out after 1 s at epoch 1 waiting for rank 1", message), message
+  assert result["seconds"] < 30
+
+
+def test_released_channel_can_be_prepared_again(cpu_mesh):
+  mesh = cpu_mesh(2)
+  fn = _per_rank(mesh)
+  comm = b12x_jax.get_communicator()
+  shards = random_shards(np.random.default_rng(5), 2, 64, np.float32)
+  with b12x_jax.channel("throwaway"):
+    _run(fn, mesh, shards)
+    comm.release("throwaway")
+    assert "throwaway" not in comm.prepared_channels()
+    comm.prepare(mesh, "x", channels=["throwaway"])
+    assert_sum_matches(_run(fn, mesh, shards), shards, "float32")
+  assert comm.stats("throwaway", mesh.devices.flat[0])["epoch"] == 1
+
+
+def test_communicator_rejects_bad_settings():
+  with pytest.raises(ValueError, match="capacity_bytes must be a positive multiple of 16"):
+    b12x_jax.Communicator(capacity_bytes=100)
+  with pytest.raises(ValueError, match="policy must be one of"):
+    b12x_jax.Communicator(policy="fast")
+  with pytest.raises(ValueError, match="timeout_s must be > 0"):
+    b12x_jax.Communicator(timeout_s=0)
+
+
+def test_close_twice_is_harmless(cpu_mesh):
+  comm = b12x_jax.Communicator()
+  comm.prepare(cpu_mesh(2), "x", channels=["closing"])
+  comm.close()
+  comm.close()
+  assert comm.closed and not comm.prepared_channels()

@@ -1,0 +1,135 @@
+"""Channel scopes and lowering, checked without a GPU: the channel_id
+attribute in the lowered module for CPU and CUDA, nesting, overrides,
+the default, strict mode."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import b12x_jax
+
+
+def _channel_ids(text: str) -> list[str]:
+  return re.findall(r'channel_id = "([^"]+)"', text)
+
+
+@pytest.fixture
+def lowered_text(cpu_mesh):
+  mesh = cpu_mesh(2)
+
+  def lower(fn, *, platform="cpu"):
+    sm = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("x"), out_specs=P()))
+    x = jax.ShapeDtypeStruct((2 * 64,), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, P("x")))
+    if platform == "cpu":
+      return sm.lower(x).as_text()
+    return sm.trace(x).lower(lowering_platforms=(platform,)).as_text()
+
+  return lower
+
+
+@jax.jit
+def inner(x):
+  return b12x_jax.all_reduce(x, "x")
+
+
+def test_one_inner_function_gets_target_and_draft_channels(lowered_text):
+  with b12x_jax.channel("target"):
+    target = lowered_text(inner)
+  with b12x_jax.channel("draft"):
+    draft = lowered_text(inner)
+  assert _channel_ids(target) == ["target"]
+  assert _channel_ids(draft) == ["draft"]
+  assert "has_side_effect = true" in target
+
+
+def test_cuda_lowering_carries_the_channel_without_a_gpu(lowered_text):
+  with b12x_jax.channel("target"):
+    text = lowered_text(inner, platform="cuda")
+  assert "@b12x_all_reduce" in text
+  assert _channel_ids(text) == ["target"]
+
+
+def test_nested_traces_inherit_the_enclosing_channel(lowered_text):
+  def outer(x):
+    y = inner(x)
+    y = jax.lax.scan(lambda c, _: (inner(c), None), y, None, length=2)[0]
+    y = jax.lax.cond(True, inner, lambda v: v, y)
+    return jax.checkpoint(inner)(y)
+
+  with b12x_jax.channel("draft"):
+    ids = _channel_ids(lowered_text(outer))
+  assert ids and set(ids) == {"draft"}  # jitted functions lower once and are called
+
+
+def test_explicit_channel_overrides_the_scope(lowered_text):
+  def fn(x):
+    return b12x_jax.all_reduce(x, "x", channel="aux") + b12x_jax.all_reduce(x, "x")
+
+  with b12x_jax.channel("target"):
+    assert sorted(_channel_ids(lowered_text(fn))) == ["aux", "target"]
+
+
+def test_no_scope_gives_default(lowered_text):
+  assert b12x_jax.current_channel() is None
+  assert _channel_ids(lowered_text(inner)) == ["default"]
+
+
+def test_innermost_scope_wins_and_scopes_restore():
+  with b12x_jax.channel("target"):
+    with b12x_jax.channel("draft"):
+      assert b12x_jax.current_channel() == "draft"
+    assert b12x_jax.current_channel() == "target"
+  assert b12x_jax.current_channel() is None
+
+
+def test_strict_mode_rejects_an_unowned_collective(lowered_text):
+  b12x_jax.set_strict(True)
+  try:
+    with pytest.raises(b12x_jax.ChannelError, match=r"all_reduce: traced outside any channel scope in strict mode"):
+      lowered_text(lambda x: b12x_jax.all_reduce(x, "x"))
+  finally:
+    b12x_jax.set_strict(False)
+
+
+def test_strict_mode_rejects_an_unprepared_channel(lowered_text):
+  b12x_jax.set_strict(True)
+  try:
+    with b12x_jax.channel("never-prepared"):
+      with pytest.raises(b12x_jax.ChannelError, match=r"channel 'never-prepared' is not prepared.*prepare\(mesh"):
+        lowered_text(lambda x: b12x_jax.all_reduce(x, "x"))
+  finally:
+    b12x_jax.set_strict(False)
+
+
+@pytest.mark.parametrize("bad", ["", "a b", "x" * 65, 3])
+def test_bad_channel_names_are_rejected(bad):
+  with pytest.raises(b12x_jax.ChannelError, match="channel name must be"):
+    with b12x_jax.channel(bad):
+      pass
+
+
+def test_other_threads_see_the_default_channel():
+  import threading
+  seen = []
+  with b12x_jax.channel("target"):
+    t = threading.Thread(target=lambda: seen.append(b12x_jax.current_channel()))
+    t.start()
+    t.join()
+  assert seen == [None]
+
+
+def test_aot_compiled_function_keeps_its_channel(cpu_mesh):
+  mesh = cpu_mesh(2)
+  fn = jax.jit(jax.shard_map(lambda x: b12x_jax.all_reduce(x, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
+  x = jax.device_put(np.ones(2 * 16, np.float32), jax.sharding.NamedSharding(mesh, P("x")))
+  with b12x_jax.channel("aot"):
+    compiled = fn.lower(x).compile()
+  before = b12x_jax.get_communicator().stats("aot", jax.devices("cpu")[0])["epoch"]
+  compiled(x).block_until_ready()  # runs outside the scope, still on "aot"
+  assert b12x_jax.get_communicator().stats("aot", jax.devices("cpu")[0])["epoch"] == before + 1
