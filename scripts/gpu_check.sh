@@ -27,6 +27,9 @@ echo "== GPU tests"
 $PY -m pytest tests/gpu -m gpu -x -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 tests_rc=${PIPESTATUS[0]}
 
+echo "== quickstart"
+$PY examples/quickstart.py 2>&1 | grep -v "^W\|^I" | tail -8
+
 echo "== benchmark"
 $PY benchmarks/all_reduce.py --json "$OUT/all_reduce.json" 2>&1 | tee "$OUT/bench.log" | grep -v "^W\|^I"
 
