@@ -20,6 +20,8 @@ import time
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20, 32 << 20]
 ONESHOT_FLAG = "--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE"
+# Command buffers that also capture FFI custom calls.
+CUSTOM_CALL_GRAPHS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"
 # The baselines run in child processes on the same GPUs: no preallocation.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # Emulated CPU devices for machines without GPUs (no effect on GPU runs).
@@ -95,7 +97,8 @@ def main() -> None:
   if _gpus() >= 2:
     # Columns that need other XLA flags, each measured in a child process.
     for column, impl, flag in [("psum_oneshot", "psum", ONESHOT_FLAG),
-                               ("b12x_no_graphs", "b12x", "--xla_gpu_enable_command_buffer=")]:
+                               ("b12x_no_graphs", "b12x", "--xla_gpu_enable_command_buffer="),
+                               ("b12x_graphs_cc", "b12x", CUSTOM_CALL_GRAPHS)]:
       env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flag).strip())
       child = subprocess.run([sys.executable, __file__, "--child", "--impls", impl, "--ops", str(args.ops),
                               "--iters", str(args.iters), "--devices", str(args.devices), "--sizes", args.sizes],
