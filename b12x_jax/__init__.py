@@ -4,15 +4,10 @@ Public API (re-exports only; see each module for the contracts).
 """
 
 from b12x_jax.channels import DEFAULT_CHANNEL, channel, current_channel, is_strict, set_strict
-from b12x_jax.communicator import Communicator, Decision, get_communicator, set_communicator
+from b12x_jax.communicator import Communicator, Decision, check_errors, get_communicator, set_communicator
 from b12x_jax.errors import (B12xError, ChannelError, CollectiveTimeoutError, IneligibleError,
                              TransportError)
 from b12x_jax.ops.all_reduce import all_reduce
-
-
-def check_errors() -> None:
-  """Raises CollectiveTimeoutError if a wait timed out anywhere in this process."""
-  get_communicator().check_errors()
 
 
 __all__ = [

@@ -29,7 +29,7 @@ def ensure_registered() -> None:
   with _register_lock:
     if _registered:
       return
-    jax.devices()
+    jax.devices()  # creates the backends
     for platform, targets in _b12x.handlers().items():
       if platform == "CUDA" and not _has_gpu_backend():
         continue

@@ -49,6 +49,10 @@ class Communicator:
     policy: "auto" falls back to psum outside the b12x window, "strict"
       raises there instead, "psum" forces the psum path for every call.
     max_blocks: largest CUDA grid of one call; None takes min(64, SM count).
+
+  Dropping a Communicator frees nothing (there is no ``__del__``): compiled
+  executables and CUDA graphs may still hold its channels' pointers (DESIGN
+  C11). Memory goes with ``close()``, or with the process.
   """
 
   def __init__(self, *, capacity_bytes: int = 8 * MiB, timeout_s: float = 10.0,
@@ -210,11 +214,6 @@ class Communicator:
   def closed(self) -> bool:
     return self._closed
 
-  def __del__(self):
-    # Never frees: compiled executables and CUDA graphs may still hold the
-    # channel's pointers (DESIGN C11). Memory goes with close() or the process.
-    pass
-
 
 _active: Communicator | None = None
 _active_lock = threading.Lock()
@@ -240,6 +239,11 @@ def set_communicator(communicator: Communicator) -> None:
       raise ChannelError("set_communicator: the current communicator still holds prepared channels "
                          f"{sorted(_active.prepared_channels())}; call its close() first")
     _active = communicator
+
+
+def check_errors() -> None:
+  """Raises CollectiveTimeoutError if a wait timed out anywhere in this process."""
+  get_communicator().check_errors()
 
 
 def _close_at_exit() -> None:

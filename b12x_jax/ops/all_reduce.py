@@ -61,6 +61,11 @@ def _abstract_eval(x, *, axis_name: str, channel: str):
   return _compat.drop_varying_axis(x, axis_name)
 
 
+def _eager_impl(x, *, axis_name: str, channel: str):
+  raise ValueError(f"b12x_jax.{_OP} runs inside jax.shard_map under jax.jit, not eagerly "
+                   f"(axis {axis_name!r}, channel {channel!r})")
+
+
 def _psum_path(x, *, axis_name: str):
   return [jax.lax.psum(x, axis_name)]
 
@@ -69,8 +74,7 @@ def _psum_path(x, *, axis_name: str):
 
 all_reduce_p = Primitive("b12x_all_reduce")
 all_reduce_p.def_abstract_eval(_abstract_eval)
-all_reduce_p.def_impl(lambda x, **_: (_ for _ in ()).throw(
-    ValueError(f"b12x_jax.{_OP} runs inside jax.shard_map under jax.jit, not eagerly")))
+all_reduce_p.def_impl(_eager_impl)
 for _platform in ("cpu", "cuda"):
   mlir.register_lowering(all_reduce_p, b12x_lowering(_OP, _TARGET, _psum_path), platform=_platform)
 mlir.register_lowering(all_reduce_p, mlir.lower_fun(_psum_path, multiple_results=True))
