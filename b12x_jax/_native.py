@@ -46,10 +46,9 @@ def _has_gpu_backend() -> bool:
 
 
 def prepare(platform: str, channel: str, ordinals: list[int], *, capacity_bytes: int, timeout_s: float,
-            max_blocks: int | None, broken: dict) -> None:
+            max_blocks: int | None) -> None:
   """Allocates ``channel`` for one group. A CUDA group's peer access is
-  probed first (once per group); a failed probe is remembered in ``broken``
-  and raised as TransportError."""
+  probed first (once per group); a failed probe raises TransportError."""
   try:
     if platform == "cpu":
       _b12x.prepare_host(channel, ordinals, capacity_bytes, timeout_s)
@@ -58,9 +57,7 @@ def prepare(platform: str, channel: str, ordinals: list[int], *, capacity_bytes:
       if group not in _probed:
         problem = _b12x.probe_peer_access(ordinals)
         if problem:
-          reason = f"peer access between GPUs {ordinals} does not work: {problem}"
-          broken[("cuda", group)] = reason
-          raise TransportError(reason)
+          raise TransportError(f"peer access between GPUs {ordinals} does not work: {problem}")
         _probed.add(group)
       _b12x.prepare_cuda(channel, ordinals, capacity_bytes, timeout_s, max_blocks or 0)
     else:

@@ -140,8 +140,8 @@ class Communicator:
               f"channels=[{channel!r}]) before tracing")
         try:
           self._prepare_group(channel, group)
-        except TransportError as e:
-          broken = str(e)
+        except TransportError as e:  # remembered: the group is not probed again
+          broken = self._broken[(platform, ordinals)] = str(e)
       if broken is not None:
         return self._ineligible(op, channel, broken)
     return None
@@ -166,7 +166,7 @@ class Communicator:
       if len(set(ordinals)) != len(ordinals):
         raise ChannelError(f"b12x_jax: device group {list(ordinals)} names a device twice")
       _native.prepare(platform, channel, list(ordinals), capacity_bytes=self.capacity_bytes,
-                      timeout_s=self.timeout_s, max_blocks=self.max_blocks, broken=self._broken)
+                      timeout_s=self.timeout_s, max_blocks=self.max_blocks)
       self._groups.setdefault((platform, channel), []).append(ordinals)
 
   # -- inspection --------------------------------------------------------------
