@@ -154,3 +154,32 @@ def test_close_twice_is_harmless(cpu_mesh):
   comm.close()
   comm.close()
   assert comm.closed and not comm.prepared_channels()
+
+
+def test_a_group_whose_transport_fails_lowers_to_psum_or_raises_under_strict(cpu_mesh, monkeypatch):
+  # The lowering-time fallback shared by CPU and CUDA (a failed P2P probe on GPUs), reached on CPU by
+  # making preparation fail the way the probe does.
+  from b12x_jax import _native
+
+  def failing_prepare(platform, channel, ordinals, **_):
+    raise b12x_jax.TransportError(f"peer access between devices {ordinals} does not work: simulated")
+
+  comm = b12x_jax.get_communicator()
+  monkeypatch.setattr(_native, "prepare", failing_prepare)
+  monkeypatch.setattr(comm, "_broken", {})  # the failure is remembered per group: forget it afterwards
+  mesh = cpu_mesh(2)
+  shards = random_shards(np.random.default_rng(6), 2, 64, np.float32)
+  with b12x_jax.channel("broken-transport"):
+    fn = _per_rank(mesh)
+    text = fn.lower(jax.device_put(shards.reshape(-1), NamedSharding(mesh, P("x")))).as_text()
+    assert "b12x_all_reduce" not in text and "all_reduce" in text
+    assert_sum_matches(_run(fn, mesh, shards), shards, "float32")
+  decision = comm.decisions[-1]
+  assert decision.path == "psum" and "simulated" in decision.reason
+  comm.policy = "strict"
+  try:
+    with b12x_jax.channel("broken-transport-strict"):
+      with pytest.raises(b12x_jax.TransportError, match=r"all_reduce: .*simulated \(policy 'strict'"):
+        _per_rank(mesh)(jax.device_put(shards.reshape(-1), NamedSharding(mesh, P("x"))))
+  finally:
+    comm.policy = "auto"
