@@ -8,10 +8,11 @@ from b12x_jax.communicator import Communicator, Decision, check_errors, get_comm
 from b12x_jax.errors import (B12xError, ChannelError, CollectiveTimeoutError, IneligibleError,
                              TransportError)
 from b12x_jax.ops.all_reduce import all_reduce
+from b12x_jax.ops.dcp_a2a import dcp_a2a
 
 
 __all__ = [
     "B12xError", "ChannelError", "CollectiveTimeoutError", "Communicator", "DEFAULT_CHANNEL", "Decision",
-    "IneligibleError", "TransportError", "all_reduce", "channel", "check_errors", "current_channel",
+    "IneligibleError", "TransportError", "all_reduce", "channel", "check_errors", "current_channel", "dcp_a2a",
     "get_communicator", "is_strict", "set_communicator", "set_strict",
 ]

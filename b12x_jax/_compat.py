@@ -28,6 +28,28 @@ def drop_varying_axis(aval, axis_name: str):
   return aval
 
 
+def varying_axes(aval) -> frozenset:
+  """The manual mesh axes ``aval`` varies over (same fields as
+  ``drop_varying_axis``); empty where the release tracks none."""
+  mat = getattr(aval, "mat", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", None) or ())
+
+
+def add_varying_axes(aval, axes):
+  """``aval`` varying over ``axes`` too: the output of an op that gives each
+  rank its own shard (dcp_a2a) differs across the axis, whatever the inputs.
+  Goes with ``drop_varying_axis``."""
+  mat = getattr(aval, "mat", None)
+  if mat is not None:
+    return aval.update(manual_axis_type=mat.update(varying=frozenset(mat.varying) | frozenset(axes)))
+  vma = getattr(aval, "vma", None)
+  if vma is not None:
+    return aval.update(vma=frozenset(vma) | frozenset(axes))
+  return aval
+
+
 def axis_device_groups(ctx, axis_name: str) -> list[tuple]:
   """The device groups of a mesh axis, from a lowering context inside
   ``shard_map``: one tuple per position of the other axes, devices in the
@@ -57,9 +79,12 @@ def axis_device_groups(ctx, axis_name: str) -> list[tuple]:
 
 def device_ordinal(device) -> int:
   """The ordinal XLA passes to FFI handlers as ``DeviceOrdinal`` for this
-  device: its local hardware id (checked on jax 0.11.2, CPU and CUDA)."""
+  process's ``device``: on GPUs its local hardware id (the CUDA ordinal in
+  this process), on CPU its global id, which is not its local index in a
+  multi-process run (process 1's first CPU device is id 2048). Checked on
+  jax 0.11.2, one process and jax.distributed."""
   ordinal = getattr(device, "local_hardware_id", None)
-  return int(device.id if ordinal is None else ordinal)
+  return int(device.id if ordinal is None or device.platform == "cpu" else ordinal)
 
 
 def platform_of(devices: Sequence) -> str:
@@ -74,3 +99,30 @@ def platform_of(devices: Sequence) -> str:
     return platform
   version = str(getattr(devices[0].client, "platform_version", "")).lower()
   return "rocm" if "rocm" in version else "cuda"
+
+
+# -- jax.distributed key-value store (DESIGN §3) ----------------------------------
+# jax 0.11 reaches the coordination service's key-value store only through the
+# private client in ``jax._src.distributed.global_state``. These go when JAX
+# exposes a public key-value API.
+
+
+def distributed_client():
+  """The ``jax.distributed`` client of this process, or None before
+  ``jax.distributed.initialize`` (checked on jax 0.11.2)."""
+  from jax._src import distributed
+  return distributed.global_state.client
+
+
+def kv_set_bytes(key: str, value: bytes) -> None:
+  """Publishes ``value`` under ``key``; a key is written once."""
+  distributed_client().key_value_set_bytes(key, value)
+
+
+def kv_get_bytes(key: str, timeout_s: float) -> bytes | None:
+  """The value of ``key`` once some process published it, or None if none
+  did within ``timeout_s`` (the client raises a runtime error then)."""
+  try:
+    return distributed_client().blocking_key_value_get_bytes(key, max(1, int(timeout_s * 1000)))
+  except RuntimeError:
+    return None

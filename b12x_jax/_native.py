@@ -45,13 +45,14 @@ def _has_gpu_backend() -> bool:
     return False
 
 
-def prepare(platform: str, channel: str, ordinals: list[int], *, capacity_bytes: int, timeout_s: float,
-            max_blocks: int | None) -> None:
+def prepare(platform: str, channel: str, ordinals: list[int], *, capacity_bytes: int, lamport_bytes: int,
+            timeout_s: float, max_blocks: int | None, poison_outputs: bool) -> None:
   """Allocates ``channel`` for one group. A CUDA group's peer access is
-  probed first (once per group); a failed probe raises TransportError."""
+  probed first (once per group); a failed probe raises TransportError.
+  The host backend has no Lamport exchange and ignores ``lamport_bytes``."""
   try:
     if platform == "cpu":
-      _b12x.prepare_host(channel, ordinals, capacity_bytes, timeout_s)
+      _b12x.prepare_host(channel, ordinals, capacity_bytes, timeout_s, poison_outputs)
     elif platform == "cuda":
       group = tuple(ordinals)
       if group not in _probed:
@@ -59,7 +60,8 @@ def prepare(platform: str, channel: str, ordinals: list[int], *, capacity_bytes:
         if problem:
           raise TransportError(f"peer access between GPUs {ordinals} does not work: {problem}")
         _probed.add(group)
-      _b12x.prepare_cuda(channel, ordinals, capacity_bytes, timeout_s, max_blocks or 0)
+      _b12x.prepare_cuda(channel, ordinals, capacity_bytes, min(lamport_bytes, capacity_bytes), timeout_s,
+                         max_blocks or 0, poison_outputs)
     else:
       raise TransportError(f"no b12x backend for platform {platform!r}")
   except ValueError as e:  # nanobind maps std::invalid_argument to ValueError
@@ -69,6 +71,41 @@ def prepare(platform: str, channel: str, ordinals: list[int], *, capacity_bytes:
       raise
     raise TransportError(f"b12x_jax: preparing channel {channel!r} on {platform} devices {ordinals} failed: {e}") \
         from None
+
+
+def share(platform: str, channel: str, ordinals: list[int], *, capacity_bytes: int, lamport_bytes: int,
+          timeout_s: float, max_blocks: int | None, poison_outputs: bool):
+  """Allocates, zero-fills and exports this process's ranks of a channel
+  shared with other processes (``ordinals[r]`` is -1 for a rank another
+  process holds): POSIX shared memory on CPU, CUDA IPC on GPUs. Returns the
+  native PendingGroup that rendezvous steps drive to install or free."""
+  try:
+    if platform == "cpu":
+      return _b12x.share_host(channel, ordinals, capacity_bytes, timeout_s, poison_outputs)
+    if platform == "cuda":
+      return _b12x.share_cuda(channel, ordinals, capacity_bytes, min(lamport_bytes, capacity_bytes), timeout_s,
+                              max_blocks or 0, poison_outputs)
+    raise TransportError(f"no b12x backend for platform {platform!r}")
+  except ValueError as e:
+    raise ChannelError(str(e)) from None
+  except RuntimeError as e:
+    if isinstance(e, TransportError):
+      raise
+    raise TransportError(f"b12x_jax: allocating channel {channel!r} on {platform} devices {ordinals} for other "
+                         f"processes failed: {e}") from None
+
+
+def open_peer(pending, rank: int, exported: bytes) -> None:
+  """Maps remote rank ``rank``'s memory from its export into ``pending``."""
+  try:
+    pending.open(rank, exported)
+  except (RuntimeError, ValueError) as e:
+    raise TransportError(f"b12x_jax: opening rank {rank}'s memory failed: {e}") from None
+
+
+def retire(platform: str, channel: str) -> None:
+  """Takes the channel out of use and closes its imports (memory stays)."""
+  _b12x.retire(platform, channel)
 
 
 def release(platform: str, channel: str) -> None:

@@ -6,20 +6,31 @@ group of devices (DESIGN C4). It runs before any execution that uses the
 channel: explicitly through ``Communicator.prepare``, or, unless strict mode
 is on, when a collective is first lowered for that group. It never runs in
 the execute stage, under graph capture, or at XLA compile time.
+
+With one process per device (``jax.distributed``), a group spans processes
+and its preparation is collective (rendezvous.py): every process of the group
+must prepare the same channels, which happens by itself when every process
+lowers the same program, or explicitly with ``prepare(mesh, axis, channels)``
+called on every process (in any channel order: it runs in sorted order).
+Releasing and closing are collective too.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal
 
 import numpy as np
 
-from b12x_jax import _compat, _native
+import jax
+
+from b12x_jax import _compat, _native, rendezvous
+from b12x_jax.channels import channel as channel_scope
 from b12x_jax.channels import is_strict, validate_channel_name
 from b12x_jax.errors import ChannelError, CollectiveTimeoutError, IneligibleError, TransportError
 
@@ -35,7 +46,7 @@ class Decision:
   """Which path one traced collective took, and why."""
   op: str
   channel: str
-  path: Literal["b12x", "psum"]
+  path: Literal["b12x", "psum", "all_to_all"]
   reason: str
 
 
@@ -47,8 +58,17 @@ class Communicator:
       Larger payloads take the psum path (policy "auto") or raise ("strict").
     timeout_s: bound on every wait for a peer (DESIGN C8), default 10 s.
     policy: "auto" falls back to psum outside the b12x window, "strict"
-      raises there instead, "psum" forces the psum path for every call.
+      raises there instead, "psum" forces the psum path for every call
+      (dcp_a2a's fallback is jax.lax.all_to_all plus a local merge).
     max_blocks: largest CUDA grid of one call; None takes min(64, SM count).
+    lamport_bytes: CUDA payloads up to this size take the flagless Lamport
+      exchange (no barrier; three more buffers of this size per peer), larger
+      ones the staged barrier protocol. 0 turns the Lamport path off.
+    poison_outputs: debug switch: every output is filled with NaN before the
+      kernel writes it, so an element a kernel misses shows up. Costs a memset.
+    setup_timeout_s: bound on each collective step of preparing or releasing
+      a channel shared between processes (a process that never joins gives
+      the others CollectiveTimeoutError), default 60 s.
 
   Dropping a Communicator frees nothing (there is no ``__del__``): compiled
   executables and CUDA graphs may still hold its channels' pointers (DESIGN
@@ -56,51 +76,69 @@ class Communicator:
   """
 
   def __init__(self, *, capacity_bytes: int = 8 * MiB, timeout_s: float = 10.0,
-               policy: Policy = "auto", max_blocks: int | None = None):
+               policy: Policy = "auto", max_blocks: int | None = None, lamport_bytes: int = 1 * MiB,
+               poison_outputs: bool = False, setup_timeout_s: float = 60.0):
     if not isinstance(capacity_bytes, int) or capacity_bytes < PACK_BYTES or capacity_bytes % PACK_BYTES:
       raise ValueError(f"Communicator: capacity_bytes must be a positive multiple of 16, got {capacity_bytes!r}")
     if not timeout_s > 0:
       raise ValueError(f"Communicator: timeout_s must be > 0, got {timeout_s!r}")
+    if not setup_timeout_s > 0:
+      raise ValueError(f"Communicator: setup_timeout_s must be > 0, got {setup_timeout_s!r}")
     if policy not in _POLICIES:
       raise ValueError(f"Communicator: policy must be one of {_POLICIES}, got {policy!r}")
     if max_blocks is not None and not 1 <= max_blocks <= 64:
       raise ValueError(f"Communicator: max_blocks must be in [1, 64] or None, got {max_blocks!r}")
+    if not isinstance(lamport_bytes, int) or lamport_bytes < 0 or lamport_bytes % PACK_BYTES:
+      raise ValueError(f"Communicator: lamport_bytes must be a non-negative multiple of 16, got {lamport_bytes!r}")
     self.capacity_bytes = capacity_bytes
+    self.lamport_bytes = lamport_bytes
+    self.poison_outputs = bool(poison_outputs)
     self.timeout_s = float(timeout_s)
+    self.setup_timeout_s = float(setup_timeout_s)
     self.policy: Policy = policy
     self.max_blocks = max_blocks
     self.decisions: collections.deque[Decision] = collections.deque(maxlen=1024)
     self._lock = threading.RLock()
-    # (platform, channel) -> prepared groups, each a tuple of device ordinals in rank order.
+    # (platform, channel) -> prepared groups, each a tuple of device ordinals in rank order
+    # (-1 for a rank of another process).
     self._groups: dict[tuple[str, str], list[tuple[int, ...]]] = {}
     # device-ordinal groups whose peer access failed its probe -> why.
     self._broken: dict[tuple[str, tuple[int, ...]], str] = {}
+    # (platform, channel) -> the processes its groups shared with this one span.
+    self._shared: dict[tuple[str, str], set[int]] = {}
     self._closed = False
 
   # -- the per-call decision (DESIGN C12) ------------------------------------
 
-  def choose_path(self, op: str, channel: str, nbytes: int, dtype, axis_size: int) -> Decision:
-    """Decides, at trace time, whether a call of ``nbytes`` of ``dtype`` over
-    ``axis_size`` ranks runs on b12x or on psum; raises under policy
-    "strict" where b12x cannot run it. Records the decision."""
+  def choose_path(self, op: str, channel: str, nbytes: int, dtype, axis_size: int, *, unit: str = "payload",
+                  staged_bytes: int | None = None, fallback: str = "psum") -> Decision:
+    """Decides, at trace time, whether a call over ``axis_size`` ranks runs
+    on b12x or on its ``fallback`` path; raises under policy "strict" where
+    b12x cannot run it. Records the decision.
+
+    ``nbytes`` is the ``unit`` of ``dtype`` that must be a multiple of 16
+    bytes (all_reduce: the payload; dcp_a2a: one row of out), and
+    ``staged_bytes`` (default ``nbytes``) what one call stages per source,
+    which must fit ``capacity_bytes``."""
     name = np.dtype(dtype).name
+    staged = nbytes if staged_bytes is None else staged_bytes
     if self.policy == "psum":
-      reason = "policy 'psum' forces the psum path"
+      reason = f"policy 'psum' forces the {fallback} path"
     elif name not in _SUPPORTED_DTYPES:
       reason = f"dtype {name} is not one of {_SUPPORTED_DTYPES}"
     elif nbytes % PACK_BYTES:
-      reason = f"payload of {nbytes} bytes is not a multiple of 16 bytes"
-    elif nbytes > self.capacity_bytes:
-      reason = f"payload of {nbytes} bytes exceeds capacity_bytes={self.capacity_bytes}"
+      reason = f"{unit} of {nbytes} bytes is not a multiple of 16 bytes"
+    elif staged > self.capacity_bytes:
+      reason = f"staging {staged} bytes per source exceeds capacity_bytes={self.capacity_bytes}"
     elif axis_size > 8:
       reason = f"axis of {axis_size} devices exceeds the 8 ranks a channel serves"
     else:
       return self._record(Decision(op, channel, "b12x", "inside the b12x window"))
     if self.policy == "strict":
       raise IneligibleError(
-          f"b12x_jax.{op}: {reason} (policy 'strict'). Pad the payload to a multiple of 16 bytes, "
-          f"raise Communicator(capacity_bytes=...), or use policy='auto' to fall back to psum")
-    return self._record(Decision(op, channel, "psum", reason))
+          f"b12x_jax.{op}: {reason} (policy 'strict'). Pad the {unit} to a multiple of 16 bytes, "
+          f"raise Communicator(capacity_bytes=...), or use policy='auto' to fall back to {fallback}")
+    return self._record(Decision(op, channel, fallback, reason))
 
   def _record(self, decision: Decision) -> Decision:
     self.decisions.append(decision)
@@ -111,7 +149,11 @@ class Communicator:
   def prepare(self, mesh, axis_name: str, channels: Iterable[str] = ("default",)) -> None:
     """Prepares ``channels`` for every device group of ``mesh`` along
     ``axis_name``, in sorted channel-name order. Needed before use in strict
-    mode; otherwise optional (the first lowering prepares)."""
+    mode; otherwise optional (the first lowering prepares).
+
+    Where a group spans processes this is collective: call it on every
+    process with the same mesh, axis and channels (their order may differ).
+    If any process fails, every process raises and nothing stays mapped."""
     if axis_name not in mesh.axis_names:
       raise ValueError(f"Communicator.prepare: axis_name {axis_name!r} is not one of the mesh axes "
                        f"{tuple(mesh.axis_names)}")
@@ -122,15 +164,23 @@ class Communicator:
       for group in groups:
         self._prepare_group(name, group)
 
-  def ensure_prepared(self, op: str, channel: str, groups: Sequence[Sequence]) -> Decision | None:
+  def ensure_prepared(self, op: str, channel: str, groups: Sequence[Sequence],
+                      fallback: str = "psum") -> Decision | None:
     """Called while lowering: makes sure every device group has ``channel``.
-    Returns a psum Decision when the transport of a group is broken and the
-    policy allows the fallback, else None."""
+    Returns a Decision for the ``fallback`` path when the transport of a
+    group is broken and the policy allows the fallback, else None.
+
+    Groups that span processes are prepared collectively here, while each
+    process lowers: every process lowers the same program, so all reach the
+    same preparations in the same order, and a failed transport is one
+    verdict, so all take the same path."""
     for group in groups:
       platform = _compat.platform_of(group)
       if platform not in _native.platforms():
-        return self._ineligible(op, channel, f"no b12x backend for platform {platform!r} in this build")
-      ordinals = tuple(_compat.device_ordinal(d) for d in group)
+        return self._ineligible(op, channel, f"no b12x backend for platform {platform!r} in this build", fallback)
+      ordinals = _ordinals(group)
+      if all(o < 0 for o in ordinals):
+        continue  # other processes serve this group
       broken = self._broken.get((platform, ordinals))
       if broken is None and not self._is_prepared(platform, channel, ordinals):
         if is_strict():
@@ -143,13 +193,13 @@ class Communicator:
         except TransportError as e:  # remembered: the group is not probed again
           broken = self._broken[(platform, ordinals)] = str(e)
       if broken is not None:
-        return self._ineligible(op, channel, broken)
+        return self._ineligible(op, channel, broken, fallback)
     return None
 
-  def _ineligible(self, op: str, channel: str, reason: str) -> Decision:
+  def _ineligible(self, op: str, channel: str, reason: str, fallback: str) -> Decision:
     if self.policy == "strict":
-      raise TransportError(f"b12x_jax.{op}: {reason} (policy 'strict'; policy='auto' falls back to psum)")
-    return self._record(Decision(op, channel, "psum", reason))
+      raise TransportError(f"b12x_jax.{op}: {reason} (policy 'strict'; policy='auto' falls back to {fallback})")
+    return self._record(Decision(op, channel, fallback, reason))
 
   def _is_prepared(self, platform: str, channel: str, ordinals: tuple[int, ...]) -> bool:
     with self._lock:
@@ -157,16 +207,26 @@ class Communicator:
 
   def _prepare_group(self, channel: str, group: Sequence) -> None:
     platform = _compat.platform_of(group)
-    ordinals = tuple(_compat.device_ordinal(d) for d in group)
+    ordinals = _ordinals(group)
+    if all(o < 0 for o in ordinals):
+      return
     with self._lock:
       if self._closed:
         raise ChannelError("b12x_jax: this Communicator is closed; make a new one (b12x_jax.set_communicator)")
       if ordinals in self._groups.get((platform, channel), ()):
         return
-      if len(set(ordinals)) != len(ordinals):
-        raise ChannelError(f"b12x_jax: device group {list(ordinals)} names a device twice")
-      _native.prepare(platform, channel, list(ordinals), capacity_bytes=self.capacity_bytes,
-                      timeout_s=self.timeout_s, max_blocks=self.max_blocks)
+      if len({d.id for d in group}) != len(group):
+        raise ChannelError(f"b12x_jax: device group {[d.id for d in group]} names a device twice")
+      options = dict(capacity_bytes=self.capacity_bytes, lamport_bytes=self.lamport_bytes,
+                     timeout_s=self.timeout_s, max_blocks=self.max_blocks, poison_outputs=self.poison_outputs)
+      processes = {d.process_index for d in group}
+      if len(processes) == 1:
+        _native.prepare(platform, channel, list(ordinals), **options)
+      else:
+        group_key = "-".join(str(d.id) for d in group)  # global ids: the same name in every process
+        rendezvous.prepare_shared(platform, channel, group_key, processes, list(ordinals), self.setup_timeout_s,
+                                  **options)
+        self._shared.setdefault((platform, channel), set()).update(processes)
       self._groups.setdefault((platform, channel), []).append(ordinals)
 
   # -- inspection --------------------------------------------------------------
@@ -181,7 +241,8 @@ class Communicator:
 
   def stats(self, channel: str, device) -> dict:
     """Read-only state of ``device``'s rank on ``channel``: rank, world,
-    epoch (calls completed), poisoned, capacity_bytes. For tests and
+    epoch (calls completed), poisoned, capacity_bytes, lamport_bytes (0 on
+    CPU and where the Lamport path is off). For tests and
     debugging; on CUDA it copies from the device."""
     return _native.stats(_compat.platform_of([device]), channel, _compat.device_ordinal(device))
 
@@ -196,23 +257,59 @@ class Communicator:
 
   def release(self, channel: str) -> None:
     """Frees ``channel`` on every platform after the work queued on it is done;
-    it can be prepared again later under the same name."""
+    it can be prepared again later under the same name.
+
+    Where the channel is shared between processes this is collective
+    (rendezvous.release_shared: barrier, close imports, barrier, free): call
+    it on every process. If a peer does not answer, this process forgets the
+    channel but keeps its memory (a peer may still map it) and raises
+    CollectiveTimeoutError."""
     with self._lock:
       for platform, name in list(self._groups):
-        if name == channel:
+        if name != channel:
+          continue
+        del self._groups[(platform, name)]
+        processes = self._shared.pop((platform, name), None)
+        if processes is None:
           _native.release(platform, channel)
-          del self._groups[(platform, name)]
+        else:
+          rendezvous.release_shared(platform, channel, processes, self.setup_timeout_s)
 
   def close(self) -> None:
-    """Releases every channel. Harmless to call twice."""
+    """Releases every channel, in sorted name order (collective where shared
+    between processes: every process calls it). Harmless to call twice."""
     with self._lock:
-      for _, channel in list(self._groups):
+      try:
+        for channel in sorted({name for _, name in self._groups}):
+          self.release(channel)
+      finally:
+        self._closed = True
+
+  @contextlib.contextmanager
+  def throwaway(self, channel: str) -> Iterator[str]:
+    """A channel scope for throwaway work (a profiling compile, a warm-up):
+    traces the block on ``channel``, then releases the channel whether the
+    block succeeded or raised (collectively where it is shared between
+    processes: every process must leave the block), so the name can be
+    prepared again later. Executables compiled inside keep the channel name:
+    run them again only after preparing it again (``prepare``)."""
+    with channel_scope(channel):
+      try:
+        yield channel
+      finally:
+        jax.effects_barrier()
         self.release(channel)
-      self._closed = True
 
   @property
   def closed(self) -> bool:
     return self._closed
+
+
+def _ordinals(group: Sequence) -> tuple[int, ...]:
+  """The group's device ordinals in this process, in rank order (rank =
+  position in the axis group), -1 for a device of another process."""
+  me = jax.process_index()
+  return tuple(_compat.device_ordinal(d) if d.process_index == me else -1 for d in group)
 
 
 _active: Communicator | None = None
@@ -247,11 +344,11 @@ def check_errors() -> None:
 
 
 def _close_at_exit() -> None:
-  # Registered after jax's own exit hooks, so it runs before them: pending
-  # work finishes, then memory is released while the backends still exist.
+  # Registered after jax's own exit hooks (b12x_jax imports jax first), so it
+  # runs before them: pending work finishes, then memory is released while
+  # the backends, and jax.distributed for the collective release, still exist.
   if _active is None or not _active.prepared_channels():
     return
-  import jax
   try:
     jax.effects_barrier()
   finally:

@@ -10,18 +10,24 @@
 #include <vector>
 
 #include "cpu/host_channel.h"
+#include "cpu/shm_channel.h"
 #include "registry.h"
+#include "shared_group.h"
 #include "xla/ffi/api/c_api.h"
 
 #if defined(B12X_WITH_CUDA)
 #include "cuda/cuda_channel.h"
+#include "cuda/ipc_channel.h"
 #endif
 
 namespace nb = nanobind;
 
 extern "C" XLA_FFI_Error* b12x_all_reduce_host(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* b12x_dcp_a2a_host(XLA_FFI_CallFrame*);
 #if defined(B12X_WITH_CUDA)
 extern "C" XLA_FFI_Error* b12x_all_reduce_cuda(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* b12x_dcp_a2a_cuda(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* b12x_dispatch_probe_cuda(XLA_FFI_CallFrame*);
 #endif
 
 namespace b12x {
@@ -49,6 +55,45 @@ RankHandle find_or_throw(const std::string& platform, const std::string& channel
   return handle;
 }
 
+// A group spread over processes while the Python layer prepares it
+// (shared_group.h): the steps between two collective verdicts.
+class PendingGroup {
+ public:
+  explicit PendingGroup(std::unique_ptr<SharedGroup> group) : group_(std::move(group)) {}
+
+  nb::dict exports() const {
+    nb::dict out;
+    for (int r = 0; r < get().world(); ++r) {
+      if (!get().is_local(r)) continue;
+      const std::string bytes = get().exported(r);
+      out[nb::int_(r)] = nb::bytes(bytes.data(), bytes.size());
+    }
+    return out;
+  }
+  void open(int rank, nb::bytes exported) { get().open(rank, std::string(exported.c_str(), exported.size())); }
+  nb::tuple layout() const {
+    int rank = 0;
+    while (!get().is_local(rank)) ++rank;
+    const ChannelView& v = get().view(rank);
+    return nb::make_tuple(v.layout.block_bytes, v.lamport_layout.block_bytes, v.layout.max_blocks);
+  }
+  void close_imports() { get().close_imports(); }
+  // Every rank opened every import: the group serves handlers from now on.
+  void install() {
+    get().opened_everywhere();
+    add_group(std::move(group_));
+  }
+  // Frees the exports: only after every rank closed its imports.
+  void free() { group_.reset(); }
+
+ private:
+  SharedGroup& get() const {
+    if (!group_) throw std::invalid_argument("b12x_jax: this pending group was installed or freed");
+    return *group_;
+  }
+  std::unique_ptr<SharedGroup> group_;
+};
+
 }  // namespace
 }  // namespace b12x
 
@@ -60,10 +105,13 @@ NB_MODULE(_b12x, m) {
     nb::dict out;
     nb::dict cpu;
     cpu["b12x_all_reduce"] = capsule(b12x_all_reduce_host);
+    cpu["b12x_dcp_a2a"] = capsule(b12x_dcp_a2a_host);
     out["cpu"] = cpu;
 #if defined(B12X_WITH_CUDA)
     nb::dict cuda;
     cuda["b12x_all_reduce"] = capsule(b12x_all_reduce_cuda);
+    cuda["b12x_dcp_a2a"] = capsule(b12x_dcp_a2a_cuda);
+    cuda["b12x_dispatch_probe"] = capsule(b12x_dispatch_probe_cuda);
     out["CUDA"] = cuda;
 #endif
     return out;
@@ -78,37 +126,82 @@ NB_MODULE(_b12x, m) {
   });
 
   m.def("prepare_host", [](const std::string& channel, std::vector<int> ordinals, size_t capacity_bytes,
-                           double timeout_s) {
-    add_group(make_host_group(channel, std::move(ordinals), capacity_bytes, timeout_s));
+                           double timeout_s, bool poison_outputs) {
+    ChannelOptions options;
+    options.capacity_bytes = capacity_bytes;
+    options.timeout_s = timeout_s;
+    options.poison_outputs = poison_outputs;
+    add_group(make_host_group(channel, std::move(ordinals), options));
   }, nb::arg("channel"), nb::arg("ordinals"), nb::arg("capacity_bytes"), nb::arg("timeout_s"),
+     nb::arg("poison_outputs"),
      "Allocates the channel in host memory for the given CPU devices, ranks in list order.");
 
 #if defined(B12X_WITH_CUDA)
   m.def("prepare_cuda", [](const std::string& channel, std::vector<int> ordinals, size_t capacity_bytes,
-                           double timeout_s, int max_blocks) {
-    add_group(make_cuda_group(channel, std::move(ordinals), capacity_bytes, timeout_s, max_blocks));
-  }, nb::arg("channel"), nb::arg("ordinals"), nb::arg("capacity_bytes"), nb::arg("timeout_s"),
-     nb::arg("max_blocks"),
+                           size_t lamport_bytes, double timeout_s, int max_blocks, bool poison_outputs) {
+    ChannelOptions options{capacity_bytes, lamport_bytes, timeout_s, max_blocks, poison_outputs};
+    add_group(make_cuda_group(channel, std::move(ordinals), options));
+  }, nb::arg("channel"), nb::arg("ordinals"), nb::arg("capacity_bytes"), nb::arg("lamport_bytes"),
+     nb::arg("timeout_s"), nb::arg("max_blocks"), nb::arg("poison_outputs"),
      "Allocates the channel on the given GPUs of this process, enables and probes peer access.");
   m.def("probe_peer_access", &probe_peer_access, nb::arg("ordinals"),
         "Empty when every pair of the GPUs can read and write each other's memory, else why not.");
 #endif
+
+  nb::class_<PendingGroup>(m, "PendingGroup",
+                           "A channel group shared with other processes, between preparation steps.")
+      .def("exports", &PendingGroup::exports, "Local rank -> bytes another process opens it from.")
+      .def("open", &PendingGroup::open, nb::arg("rank"), nb::arg("exported"), "Maps a remote rank's memory.")
+      .def("layout", &PendingGroup::layout, "(block_bytes, lamport_block_bytes, max_blocks), equal on every rank.")
+      .def("close_imports", &PendingGroup::close_imports, "Unmaps what open() mapped (rollback).")
+      .def("install", &PendingGroup::install, "Hands the group to the handlers.")
+      .def("free", &PendingGroup::free, "Frees the local memory (rollback, after every rank closed its imports).");
+
+  m.def("share_host", [](const std::string& channel, std::vector<int> ordinals, size_t capacity_bytes,
+                         double timeout_s, bool poison_outputs) {
+    ChannelOptions options;
+    options.capacity_bytes = capacity_bytes;
+    options.timeout_s = timeout_s;
+    options.poison_outputs = poison_outputs;
+    return PendingGroup(make_shm_group(channel, std::move(ordinals), options));
+  }, nb::arg("channel"), nb::arg("ordinals"), nb::arg("capacity_bytes"), nb::arg("timeout_s"),
+     nb::arg("poison_outputs"),
+     "Allocates the local ranks of a channel shared with other processes in POSIX shared memory; "
+     "ordinals[r] is -1 for a rank another process holds.");
+
+#if defined(B12X_WITH_CUDA)
+  m.def("share_cuda", [](const std::string& channel, std::vector<int> ordinals, size_t capacity_bytes,
+                         size_t lamport_bytes, double timeout_s, int max_blocks, bool poison_outputs) {
+    ChannelOptions options{capacity_bytes, lamport_bytes, timeout_s, max_blocks, poison_outputs};
+    return PendingGroup(make_ipc_group(channel, std::move(ordinals), options));
+  }, nb::arg("channel"), nb::arg("ordinals"), nb::arg("capacity_bytes"), nb::arg("lamport_bytes"),
+     nb::arg("timeout_s"), nb::arg("max_blocks"), nb::arg("poison_outputs"),
+     "Allocates and exports (CUDA IPC) this process's rank of a channel shared with other processes; "
+     "ordinals[r] is -1 for a rank another process holds.");
+#endif
+
+  m.def("retire", [](const std::string& platform, const std::string& channel) {
+    return Registry::get().retire(parse_platform(platform), channel);
+  }, nb::arg("platform"), nb::arg("channel"),
+     "Takes the channel out of use and closes its imports from other processes; its memory stays until "
+     "release. Returns how many groups it retired.");
 
   m.def("release", [](const std::string& platform, const std::string& channel) {
     // Dropping the groups frees their memory; CUDA groups synchronise their
     // devices first (see cuda_channel.cc).
     return Registry::get().take(parse_platform(platform), channel).size();
   }, nb::arg("platform"), nb::arg("channel"),
-     "Frees every group of the channel on the platform; returns how many there were.");
+     "Frees every group of the channel on the platform, retired or not; returns how many there were.");
 
   m.def("stats", [](const std::string& platform, const std::string& channel, int ordinal) {
     const RankHandle h = find_or_throw(platform, channel, ordinal);
     nb::dict out;
     out["rank"] = h.rank;
     out["world"] = h.group->world();
-    out["epoch"] = h.group->read_epoch(h.rank);
+    out["epoch"] = h.group->read_calls(h.rank);
     out["poisoned"] = h.group->read_poisoned(h.rank);
     out["capacity_bytes"] = h.view().layout.capacity();
+    out["lamport_bytes"] = h.view().lamport_layout.capacity();
     return out;
   }, nb::arg("platform"), nb::arg("channel"), nb::arg("ordinal"),
      "Read-only state of one rank of a channel, for tests and debugging.");
@@ -117,6 +210,7 @@ NB_MODULE(_b12x, m) {
     std::vector<std::string> out;
     for (const ChannelGroup* group : Registry::get().groups()) {
       for (int r = 0; r < group->world(); ++r) {
+        if (!group->is_local(r)) continue;  // another process reports its own ranks
         std::string message = pending_error(*group, r);
         if (!message.empty()) out.push_back(std::move(message));
       }

@@ -39,6 +39,11 @@ struct alignas(128) Signal {
   // this rank. Two parity words let a peer that is one call ahead announce
   // call k+1 while this rank is still waiting for the announcement of call k.
   uint32_t flag[2][kMaxBlocks][kMaxRanks];
+  // lamport_calls[b]: small-payload calls block b of this rank ran (selects
+  // the Lamport buffer, calls % 3); lamport_packs[b]: packs it exchanged in
+  // the last one (what the next call clears). Written only by this rank.
+  uint32_t lamport_calls[kMaxBlocks];
+  uint32_t lamport_packs[kMaxBlocks];
   // Non-zero once a wait on this rank timed out: later calls on the channel
   // exit at once (DESIGN C8, the channel is poisoned until released).
   uint32_t poisoned;
@@ -60,19 +65,21 @@ inline constexpr uint32_t kErrorNone = 0;
 inline constexpr uint32_t kErrorWriting = 1;
 inline constexpr uint32_t kErrorComplete = 2;
 
-// Staging layout of one rank: [slot 0..1][source rank][block][block_bytes].
-// Block b of source q only ever writes its own cell, and block b of the
-// owner only reads the cells of block b, so the reuse argument of
-// `protocol.h` holds block by block whatever grid a call uses.
+// Staging layout of one rank: [slot][source rank][block][block_bytes], with
+// two slots for the barrier protocol (protocol.h) and three buffers for the
+// Lamport exchange (cuda/lamport.cuh). Block b of source q only ever writes
+// its own cell, and block b of the owner only reads the cells of block b, so
+// the reuse arguments hold block by block whatever grid a call uses.
 struct StagingLayout {
   size_t block_bytes;  // capacity of one (slot, source, block) cell
   int world;
   int max_blocks;
+  int slots;
 
   B12X_HD size_t cell_offset(int slot, int source, int block) const {
     return ((static_cast<size_t>(slot) * world + source) * max_blocks + block) * block_bytes;
   }
-  B12X_HD size_t total_bytes() const { return cell_offset(2, 0, 0); }
+  B12X_HD size_t total_bytes() const { return cell_offset(slots, 0, 0); }
   // Largest payload one call can stage: every block full.
   B12X_HD size_t capacity() const { return block_bytes * max_blocks; }
 };
@@ -82,8 +89,10 @@ struct StagingLayout {
 struct ChannelView {
   Signal* signals[kMaxRanks];    // signals[r]: rank r's signal region
   char* staging[kMaxRanks];      // staging[r]: rank r's staging region
+  char* lamport[kMaxRanks];      // lamport[r]: rank r's Lamport buffers (CUDA only)
   ErrorRecord* error;            // this rank's error record
   StagingLayout layout;
+  StagingLayout lamport_layout;  // block_bytes 0 where there are no Lamport buffers
   uint64_t timeout_ns;
   int rank;
   int world;

@@ -15,7 +15,7 @@ std::string Registry::add(std::unique_ptr<ChannelGroup> group) {
     if (existing->platform() != group->platform() || existing->channel() != group->channel()) continue;
     for (int ordinal : group->ordinals()) {
       for (int other : existing->ordinals()) {
-        if (ordinal == other) {
+        if (ordinal == other && ordinal != kRemoteRank) {
           return "channel '" + group->channel() + "' is already prepared on device " +
                  std::to_string(ordinal) + " for another group of devices; one device serves a "
                  "channel in one group only: use another channel name for this axis";
@@ -33,20 +33,46 @@ RankHandle Registry::find(Platform platform, std::string_view channel, int ordin
     if (group->platform() != platform || group->channel() != channel) continue;
     const auto& ordinals = group->ordinals();
     for (size_t r = 0; r < ordinals.size(); ++r) {
-      if (ordinals[r] == ordinal) return RankHandle{group.get(), static_cast<int>(r)};
+      if (ordinals[r] == ordinal && ordinal != kRemoteRank) return RankHandle{group.get(), static_cast<int>(r)};
     }
   }
   return {};
 }
 
-std::vector<std::unique_ptr<ChannelGroup>> Registry::take(Platform platform, std::string_view channel) {
-  std::unique_lock lock(mutex_);
-  std::vector<std::unique_ptr<ChannelGroup>> taken, kept;
-  for (auto& group : groups_) {
-    auto& into = (group->platform() == platform && group->channel() == channel) ? taken : kept;
+namespace {
+
+// Moves the groups of (platform, channel) from `from` to the end of `to`.
+void move_matching(std::vector<std::unique_ptr<ChannelGroup>>& from, std::vector<std::unique_ptr<ChannelGroup>>& to,
+                   Platform platform, std::string_view channel) {
+  std::vector<std::unique_ptr<ChannelGroup>> kept;
+  for (auto& group : from) {
+    auto& into = (group->platform() == platform && group->channel() == channel) ? to : kept;
     into.push_back(std::move(group));
   }
-  groups_ = std::move(kept);
+  from = std::move(kept);
+}
+
+}  // namespace
+
+size_t Registry::retire(Platform platform, std::string_view channel) {
+  std::vector<ChannelGroup*> closing;
+  {
+    std::unique_lock lock(mutex_);
+    const size_t before = retired_.size();
+    move_matching(groups_, retired_, platform, channel);
+    for (size_t i = before; i < retired_.size(); ++i) closing.push_back(retired_[i].get());
+  }
+  // Outside the lock: closing waits for the device, and handlers of other
+  // channels must still find theirs meanwhile.
+  for (ChannelGroup* group : closing) group->close_imports();
+  return closing.size();
+}
+
+std::vector<std::unique_ptr<ChannelGroup>> Registry::take(Platform platform, std::string_view channel) {
+  std::unique_lock lock(mutex_);
+  std::vector<std::unique_ptr<ChannelGroup>> taken;
+  move_matching(retired_, taken, platform, channel);
+  move_matching(groups_, taken, platform, channel);
   return taken;
 }
 
@@ -64,7 +90,7 @@ std::string timeout_message(const ChannelGroup& group, int rank) {
                 "b12x_jax: channel '%s' rank %d timed out after %.3g s at epoch %u waiting for "
                 "rank %d, which did not arrive. The channel is poisoned: release it "
                 "(Communicator.release) and prepare it again; raise timeout_s if the peer is only slow.",
-                group.channel().c_str(), record.rank, group.timeout_s(), record.epoch, record.peer);
+                group.channel().c_str(), record.rank, group.options().timeout_s, record.epoch, record.peer);
   return text;
 }
 

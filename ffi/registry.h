@@ -3,6 +3,8 @@
 // Preparation (Python, before any execution) adds a group: the ranks of one
 // channel over one set of devices. Handlers look up their rank's view by
 // (platform, channel name, device ordinal); they never allocate (DESIGN C4).
+// A group may span processes (one process per GPU, jax.distributed): this
+// process then holds some of its ranks and has opened the others' memory.
 #pragma once
 
 #include <memory>
@@ -18,25 +20,50 @@ namespace b12x {
 
 enum class Platform : int { kHost = 0, kCuda = 1 };
 
-// The memory of one channel on every rank of one group in this process.
-// Subclasses own the memory and free it in their destructor, which runs only
-// on an explicit release (DESIGN C11: nothing is freed behind a peer's back).
+// What the Python Communicator asks of a channel when it prepares it.
+struct ChannelOptions {
+  size_t capacity_bytes = 0;  // largest payload of one call (barrier staging, per slot)
+  size_t lamport_bytes = 0;   // payloads up to this take the Lamport exchange (CUDA; 0: never)
+  double timeout_s = 10.0;    // bound on every wait for a peer (DESIGN C8)
+  int max_blocks = 0;         // largest CUDA grid; 0: min(kMaxBlocks, SM count)
+  bool poison_outputs = false;  // debug: fill outputs with NaN before a kernel writes them
+};
+
+// Ordinal of a rank that another process holds.
+inline constexpr int kRemoteRank = -1;
+
+// The memory of one channel on every rank of one group, as this process
+// sees it. `ordinals[r]` is rank r's device in this process, or kRemoteRank
+// for a rank another process holds; views and error records exist for local
+// ranks only, and a local rank's view points at every rank's memory (local
+// allocations and imports). Subclasses own the memory and free it in their
+// destructor, which runs only on an explicit release (DESIGN C11: nothing is
+// freed behind a peer's back).
 class ChannelGroup {
  public:
-  ChannelGroup(std::string channel, Platform platform, std::vector<int> ordinals, double timeout_s)
+  ChannelGroup(std::string channel, Platform platform, std::vector<int> ordinals, ChannelOptions options)
       : channel_(std::move(channel)), platform_(platform), ordinals_(std::move(ordinals)),
-        timeout_s_(timeout_s) {}
+        options_(options) {}
   virtual ~ChannelGroup() = default;
 
   const std::string& channel() const { return channel_; }
   Platform platform() const { return platform_; }
   const std::vector<int>& ordinals() const { return ordinals_; }
-  double timeout_s() const { return timeout_s_; }
+  const ChannelOptions& options() const { return options_; }
   const ChannelView& view(int rank) const { return views_[rank]; }
   int world() const { return static_cast<int>(ordinals_.size()); }
+  bool is_local(int rank) const { return ordinals_[rank] != kRemoteRank; }
+
+  // Unmaps the memory opened from other processes, after waiting for this
+  // process's work on the channel. Peers free their exports only once every
+  // rank did this (communicator.py runs it between two collective
+  // barriers). Nothing to do for a group held by one process.
+  virtual void close_imports() {}
 
   // Host-readable copies of rank `rank`'s state, for stats and errors.
-  virtual uint32_t read_epoch(int rank) const = 0;
+  // read_calls: collectives block 0 of the rank completed (every call has a
+  // block 0), barrier and Lamport calls together.
+  virtual uint32_t read_calls(int rank) const = 0;
   virtual bool read_poisoned(int rank) const = 0;
   const ErrorRecord& error_record(int rank) const { return *host_errors_[rank]; }
 
@@ -44,7 +71,7 @@ class ChannelGroup {
   std::string channel_;
   Platform platform_;
   std::vector<int> ordinals_;
-  double timeout_s_;
+  ChannelOptions options_;
   std::vector<ChannelView> views_;
   std::vector<ErrorRecord*> host_errors_;
 };
@@ -64,13 +91,18 @@ class Registry {
   // already serves this channel in another group.
   std::string add(std::unique_ptr<ChannelGroup> group);
   RankHandle find(Platform platform, std::string_view channel, int ordinal) const;
-  // Removes and returns every group of `channel` on `platform`.
+  // Takes every group of `channel` on `platform` out of use (handlers no
+  // longer find it) and closes its imports; its own memory stays until
+  // `take`. Returns how many groups it retired.
+  size_t retire(Platform platform, std::string_view channel);
+  // Removes and returns every group of `channel` on `platform`, retired or not.
   std::vector<std::unique_ptr<ChannelGroup>> take(Platform platform, std::string_view channel);
   std::vector<const ChannelGroup*> groups() const;
 
  private:
   mutable std::shared_mutex mutex_;
   std::vector<std::unique_ptr<ChannelGroup>> groups_;
+  std::vector<std::unique_ptr<ChannelGroup>> retired_;
 };
 
 // "b12x_jax: channel 'x' rank r timed out ..." for a complete record.

@@ -30,6 +30,23 @@ tests_rc=${PIPESTATUS[0]}
 echo "== quickstart"
 $PY examples/quickstart.py 2>&1 | grep -v "^W\|^I" | tail -8
 
+echo "== speculative decoding (target hidden 4096, bf16)"
+$PY examples/speculative_decoding.py --hidden 4096 --heads 32 --vocab 32000 --layers 4 --draft-layers 1 \
+  --dtype bfloat16 --new-tokens 128 2>&1 | grep -v "^W\|^I" | tail -8
+
+echo "== command-buffer capture: 8 chained b12x all-reduces, 8 chained dispatch probes"
+dump=/tmp/b12x_xla_dump; rm -rf "$dump"
+TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2,command_buffer_thunk=3 \
+  XLA_FLAGS="--xla_dump_to=$dump" $PY benchmarks/all_reduce.py --impls b12x,floor --sizes 4096 --ops 8 \
+  --iters 3 --no-flag-columns >/tmp/b12x_capture.log 2>&1
+grep -iE "command buffer|num_commands|graph size|Traceback|Error" /tmp/b12x_capture.log | head -60 >"$OUT/capture.log"
+echo "command buffer thunks created: $(grep -c 'Creating command buffer thunk' /tmp/b12x_capture.log)"
+grep -o 'num_commands=[0-9]*' /tmp/b12x_capture.log | sort | uniq -c | head -5
+for f in "$dump"/*thunk_sequence_after_thunk_passes.txt; do
+  [ -e "$f" ] || { echo "no thunk sequence dumped (nothing converted)"; break; }
+  echo "$(basename "$f" | cut -c1-60): kCommandBuffer=$(grep -c kCommandBuffer "$f") kCustomCall=$(grep -c kCustomCall "$f")"
+done | head -8
+
 echo "== benchmark"
 $PY benchmarks/all_reduce.py --json "$OUT/all_reduce.json" 2>&1 | tee "$OUT/bench.log" | grep -v "^W\|^I"
 

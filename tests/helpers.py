@@ -33,6 +33,67 @@ def assert_sum_matches(got_per_rank: np.ndarray, shards: np.ndarray, dtype_name:
     err = np.abs(got.astype(np.float64) - want) / scale
     assert np.all(np.isfinite(got.astype(np.float64))), f"rank {r}: non-finite output"
     assert err.max() <= RTOL[dtype_name] * roundings, f"rank {r}: max relative error {err.max()} > {RTOL[dtype_name]}"
-  first = got_per_rank[0].view(np.uint8)
+  first = np.ascontiguousarray(got_per_rank[0]).view(np.uint8)
   for r, got in enumerate(got_per_rank[1:], start=1):
-    assert np.array_equal(first, got.view(np.uint8)), f"rank {r} differs from rank 0 in bits"
+    assert np.array_equal(first, np.ascontiguousarray(got).view(np.uint8)), f"rank {r} differs from rank 0 in bits"
+
+
+# -- DCP: partial attention over KV shards, and the full attention it must merge to ---------------------
+
+
+def attention_shards(rng: np.random.Generator, n: int, batch: int, heads: int, dim: int, dtype, *, kv: int = 8,
+                     base2: bool = False, empty: tuple = (), all_empty: tuple = ()):
+  """Fresh random attention split over ``n`` KV shards, each holding up to
+  ``kv`` keys per (batch, head). Returns ``(outs, lses, want_out,
+  want_lse)``: per-shard partial outputs [n, B, H, D] in ``dtype`` and lse
+  [n, B, H] float32 (NaN output, -inf lse where a shard has no key), and,
+  in float64, attention over the concatenated KV [B, H, D] and its lse
+  [B, H] (0 and -inf where no shard has a key). ``empty`` lists (shard,
+  b, h) with no key, ``all_empty`` (b, h) with no key on any shard; lse is
+  in base 2 when ``base2``."""
+  q = rng.standard_normal((batch, heads, dim))
+  k = rng.standard_normal((n, batch, heads, kv, dim))
+  v = rng.standard_normal((n, batch, heads, kv, dim))
+  valid = np.arange(kv) < rng.integers(1, kv + 1, size=(n, batch, heads, 1))
+  for s, b, h in empty:
+    valid[s, b, h] = False
+  for b, h in all_empty:
+    valid[:, b, h] = False
+  scores = np.where(valid, np.einsum("bhd,sbhkd->sbhk", q, k) / np.sqrt(dim), -np.inf)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    lse = _logsumexp(scores, axes=(-1,))
+    outs = np.einsum("sbhk,sbhkd->sbhd", np.exp(scores - lse[..., None]), v)
+    full_lse = _logsumexp(np.moveaxis(scores, 0, -1), axes=(-2, -1))
+    full = np.einsum("sbhk,sbhkd->bhd", np.exp(scores - full_lse[None, ..., None]), v)
+  outs[~np.isfinite(lse)] = np.nan  # an empty shard's payload is garbage: it must never be read
+  full[~np.isfinite(full_lse)] = 0.0
+  scale = 1 / np.log(2) if base2 else 1.0
+  return outs.astype(dtype), (lse * scale).astype(np.float32), full, full_lse * scale
+
+
+def _logsumexp(x: np.ndarray, axes: tuple) -> np.ndarray:
+  m = np.max(x, axis=axes, keepdims=True)
+  safe = np.where(np.isfinite(m), m, 0.0)
+  return np.squeeze(safe, axis=axes) + np.log(np.sum(np.exp(x - safe), axis=axes))
+
+
+def assert_merge_matches(got_out: np.ndarray, got_lse: np.ndarray | None, outs: np.ndarray, want_out: np.ndarray,
+                         want_lse: np.ndarray, dtype_name: str) -> None:
+  """Every rank's head shard ([n, B, H/n, D] and [n, B, H/n]) matches the
+  full attention: out within two roundings of the largest partial output of
+  its row (the inputs' and the result's), lse within fp32 math; no NaN."""
+  n = got_out.shape[0]
+  shard = want_out.shape[1] // n
+  row_scale = np.nan_to_num(np.abs(outs.astype(np.float64)), nan=0.0).max(axis=(0, -1))  # [B, H]
+  for r in range(n):
+    heads = slice(r * shard, (r + 1) * shard)
+    got = got_out[r].astype(np.float64)
+    assert np.all(np.isfinite(got)), f"rank {r}: non-finite output"
+    err = np.abs(got - want_out[:, heads]).max(axis=-1)
+    bound = 2 * RTOL[dtype_name] * row_scale[:, heads] + 1e-6
+    assert np.all(err <= bound), f"rank {r}: error {err.max()} exceeds {bound[err > bound].min()}"
+    if got_lse is not None:
+      want = want_lse[:, heads]
+      assert np.array_equal(np.isneginf(got_lse[r]), np.isneginf(want)), f"rank {r}: -inf lse differs"
+      finite = np.isfinite(want)
+      np.testing.assert_allclose(got_lse[r][finite], want[finite], rtol=1e-5, atol=1e-5, err_msg=f"rank {r}")

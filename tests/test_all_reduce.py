@@ -146,6 +146,28 @@ def test_communicator_rejects_bad_settings():
     b12x_jax.Communicator(policy="fast")
   with pytest.raises(ValueError, match="timeout_s must be > 0"):
     b12x_jax.Communicator(timeout_s=0)
+  with pytest.raises(ValueError, match="lamport_bytes must be a non-negative multiple of 16"):
+    b12x_jax.Communicator(lamport_bytes=-16)
+
+
+def test_poisoned_outputs_are_fully_overwritten(cpu_mesh):
+  # poison_outputs fills every output with NaN before the backend writes it:
+  # a NaN left over would fail assert_sum_matches.
+  b12x_jax.get_communicator().close()
+  comm = b12x_jax.Communicator(poison_outputs=True)
+  b12x_jax.set_communicator(comm)
+  try:
+    mesh = cpu_mesh(2)
+    fn = _per_rank(mesh)
+    rng = np.random.default_rng(11)
+    with b12x_jax.channel("poisoned"):
+      for nbytes in (16, 4096, 1 << 16):
+        shards = random_shards(rng, 2, nbytes // 4, np.float32)
+        assert_sum_matches(_run(fn, mesh, shards), shards, "float32")
+    assert comm.stats("poisoned", mesh.devices.flat[0])["lamport_bytes"] == 0  # host backend: barrier only
+  finally:
+    comm.close()
+    b12x_jax.set_communicator(b12x_jax.Communicator())
 
 
 def test_close_twice_is_harmless(cpu_mesh):

@@ -29,7 +29,7 @@ def timeout_mode(args) -> dict:
   from jax.sharding import PartitionSpec as P
 
   import b12x_jax
-  b12x_jax.set_communicator(b12x_jax.Communicator(timeout_s=args.timeout))
+  b12x_jax.set_communicator(b12x_jax.Communicator(timeout_s=args.timeout, lamport_bytes=args.lamport_bytes))
   mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
 
   def body(x):
@@ -51,7 +51,9 @@ def timeout_mode(args) -> dict:
 
 
 def graphs_mode(args) -> dict:
-  """17 all-reduces in one executable, run `runs` times on fresh inputs."""
+  """17 all-reduces in one executable, run `runs` times on fresh inputs:
+  12 small ones (the Lamport path on CUDA) and 5 just above the 1 MiB Lamport
+  window (the barrier path), so both paths and both barrier slots alternate."""
   import jax
   import numpy as np
   from jax.sharding import PartitionSpec as P
@@ -69,7 +71,7 @@ def graphs_mode(args) -> dict:
 
   fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * ops, out_specs=(P("x"),) * ops))
   rng = np.random.default_rng(args.seed)
-  sizes = [256 * (i + 1) for i in range(ops)]
+  sizes = [(1 << 18) + 256 * (i + 1) if i % 4 == 0 else 256 * (i + 1) for i in range(ops)]
   with b12x_jax.channel("graphs"):
     for _ in range(args.runs):
       shards = [rng.standard_normal((n, s)).astype(np.float32) for s in sizes]
@@ -81,18 +83,68 @@ def graphs_mode(args) -> dict:
   return {"epoch": epoch, "expected": ops * args.runs}
 
 
+def dcp_mode(args) -> dict:
+  """dcp_a2a merges interleaved with all-reduces on one channel, 12 calls in
+  one executable (several grids: B of 1 to 64), run `runs` times on fresh
+  inputs and checked against float64 attention over the whole KV."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  sys.path.insert(0, os.path.dirname(__file__))
+  from helpers import assert_merge_matches, assert_sum_matches, attention_shards
+
+  n, heads, dim = 2, 8, 128
+  batches = [1, 8, 64, 3, 16, 2]
+  mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+  sharded = jax.sharding.NamedSharding(mesh, P("x"))
+
+  def body(*args):
+    results = []
+    for out, lse, x in zip(args[0::3], args[1::3], args[2::3]):
+      results.extend(b12x_jax.dcp_a2a(out, lse, "x", return_lse=True))
+      results.append(b12x_jax.all_reduce(x, "x"))
+    return tuple(results)
+
+  specs = (P("x"),) * (3 * len(batches))
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs))
+  rng = np.random.default_rng(args.seed)
+  with b12x_jax.channel("dcp"):
+    for _ in range(args.runs):
+      cases, inputs = [], []
+      for b in batches:
+        outs, lses, want, want_lse = attention_shards(rng, n, b, heads, dim, jnp.bfloat16, empty=((1, 0, 0),),
+                                                      all_empty=((b - 1, heads - 1),))
+        x = rng.standard_normal((n, 256 * b)).astype(np.float32)
+        cases.append((outs, want, want_lse, x))
+        inputs += [jax.device_put(a.reshape((-1,) + a.shape[2:]), sharded) for a in (outs, lses, x)]
+      results = fn(*inputs)
+      for (outs, want, want_lse, x), got, got_lse, y in zip(cases, results[0::3], results[1::3], results[2::3]):
+        b = outs.shape[1]
+        assert_merge_matches(np.asarray(got).reshape(n, b, heads // n, dim), np.asarray(got_lse).reshape(n, b, -1),
+                             outs, want, want_lse, "bfloat16")
+        assert_sum_matches(np.asarray(y).reshape(n, -1), x, "float32")
+  b12x_jax.check_errors()
+  paths = sorted({d.path for d in b12x_jax.get_communicator().decisions})
+  epoch = b12x_jax.get_communicator().stats("dcp", jax.devices()[0])["epoch"]
+  return {"epoch": epoch, "expected": 2 * len(batches) * args.runs, "paths": paths}
+
+
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("mode", choices=["timeout", "graphs"])
+  parser.add_argument("mode", choices=["timeout", "graphs", "dcp"])
   parser.add_argument("--platform", default="cpu")
   parser.add_argument("--devices", type=int, default=2)
   parser.add_argument("--timeout", type=float, default=1.0)
   parser.add_argument("--runs", type=int, default=200)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--lamport-bytes", type=int, default=1 << 20)
   parser.add_argument("--xla-flags", default="")
   args = parser.parse_args()
   _setup(args.platform, args.devices, args.xla_flags)
-  result = {"timeout": timeout_mode, "graphs": graphs_mode}[args.mode](args)
+  result = {"timeout": timeout_mode, "graphs": graphs_mode, "dcp": dcp_mode}[args.mode](args)
   print("RESULT " + json.dumps(result), flush=True)
 
 

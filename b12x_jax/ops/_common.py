@@ -24,18 +24,19 @@ def axis_size(axis_name: str, op: str) -> int:
         f"that axis ({e})") from None
 
 
-def b12x_lowering(op: str, target: str, fallback: Callable) -> Callable:
+def b12x_lowering(op: str, target: str, fallback: Callable, fallback_path: str = "psum") -> Callable:
   """A lowering rule: prepares the call's channel for the device groups of
   its axis (DESIGN C4: before any execution), then emits the FFI custom call
-  with ``channel_id`` as its only attribute. Where the group's transport is
-  broken and the policy allows, lowers ``fallback`` (the psum path) instead."""
+  with ``channel_id`` and the op's static parameters as attributes. Where
+  the group's transport is broken and the policy allows, lowers ``fallback``
+  (the ``fallback_path``: psum, or all_to_all for dcp_a2a) instead."""
   ffi_rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
   fallback_rule = mlir.lower_fun(fallback, multiple_results=True)
 
   def rule(ctx, *args, axis_name: str, channel: str, **params):
     groups = _compat.axis_device_groups(ctx, axis_name)
     _native.ensure_registered()
-    if get_communicator().ensure_prepared(op, channel, groups) is not None:
+    if get_communicator().ensure_prepared(op, channel, groups, fallback_path) is not None:
       return fallback_rule(ctx, *args, axis_name=axis_name, **params)
     return ffi_rule(ctx, *args, channel_id=channel, **params)
 

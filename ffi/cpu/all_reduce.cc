@@ -57,6 +57,7 @@ ffi::Future AllReduceHost(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::An
   } else {
     const auto* in = static_cast<const Pack*>(x.untyped_data());
     auto* out = static_cast<Pack*>(y->untyped_data());
+    if (handle.group->options().poison_outputs) std::memset(out, 0xFF, bytes);  // NaN everywhere
     HostCall call{handle};
     call.stage = [in, bytes](const ChannelView& v, uint32_t epoch) {
       for (int p = 0; p < v.world; ++p) {

@@ -20,15 +20,15 @@ void* zeroed(size_t bytes) {
 
 class HostGroup final : public ChannelGroup {
  public:
-  HostGroup(const std::string& channel, std::vector<int> ordinals, size_t capacity_bytes, double timeout_s)
-      : ChannelGroup(channel, Platform::kHost, std::move(ordinals), timeout_s) {
+  HostGroup(const std::string& channel, std::vector<int> ordinals, const ChannelOptions& options)
+      : ChannelGroup(channel, Platform::kHost, std::move(ordinals), options) {
     const int world = this->world();
     // The host backend runs one "block" per call: all of a call in one cell.
-    const StagingLayout layout{capacity_bytes, world, 1};
+    const StagingLayout layout{options.capacity_bytes, world, 1, 2};
     ChannelView view{};
     view.layout = layout;
     view.world = world;
-    view.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+    view.timeout_ns = static_cast<uint64_t>(options.timeout_s * 1e9);
     for (int r = 0; r < world; ++r) {
       view.signals[r] = static_cast<Signal*>(zeroed(sizeof(Signal)));
       view.staging[r] = static_cast<char*>(zeroed(layout.total_bytes()));
@@ -48,7 +48,7 @@ class HostGroup final : public ChannelGroup {
     for (void* p : allocations_) std::free(p);
   }
 
-  uint32_t read_epoch(int rank) const override {
+  uint32_t read_calls(int rank) const override {
     const ChannelView& v = views_[rank];
     return HostMem::load_relaxed(&v.signals[rank]->counter[0][rank == 0 ? 1 : 0]);
   }
@@ -63,8 +63,8 @@ class HostGroup final : public ChannelGroup {
 }  // namespace
 
 std::unique_ptr<ChannelGroup> make_host_group(const std::string& channel, std::vector<int> ordinals,
-                                              size_t capacity_bytes, double timeout_s) {
-  return std::make_unique<HostGroup>(channel, std::move(ordinals), capacity_bytes, timeout_s);
+                                              const ChannelOptions& options) {
+  return std::make_unique<HostGroup>(channel, std::move(ordinals), options);
 }
 
 }  // namespace b12x

@@ -11,8 +11,9 @@
 namespace b12x {
 
 // Allocates and zero-fills one Signal, one staging region and one error
-// record per rank; every rank sees every other rank's memory directly.
+// record per rank; every rank sees every other rank's memory directly. The
+// host backend runs the barrier protocol only (no Lamport buffers).
 std::unique_ptr<ChannelGroup> make_host_group(const std::string& channel, std::vector<int> ordinals,
-                                              size_t capacity_bytes, double timeout_s);
+                                              const ChannelOptions& options);
 
 }  // namespace b12x

@@ -1,5 +1,7 @@
-// One-shot all-reduce between the GPUs of a channel: stage, barrier and
-// reduce in one kernel (DESIGN C5-C10), run by the protocol of protocol.h.
+// One-shot all-reduce between the GPUs of a channel, in one kernel per call
+// (DESIGN C5-C10): payloads up to the channel's Lamport window take the
+// flagless exchange of lamport.cuh, larger ones stage, barrier and reduce by
+// the protocol of protocol.h.
 #include <cuda_runtime.h>
 
 #include <string_view>
@@ -8,6 +10,7 @@
 #include "../protocol.h"
 #include "../registry.h"
 #include "cuda_memory.cuh"
+#include "lamport.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -20,6 +23,9 @@ constexpr int kThreads = 512;
 // payloads are latency-bound (one barrier whatever the size), large ones
 // want enough blocks to keep NVLink busy.
 constexpr size_t kBytesPerBlock = 16 * 1024;
+// The Lamport path spreads small payloads wider: every thread polls its own
+// packs, so more blocks means more loads in flight while peers' data lands.
+constexpr size_t kLamportBytesPerBlock = 4 * 1024;
 
 // Stage, meet, reduce. Block b owns packs [b * per_block, (b + 1) * per_block)
 // on every rank (same grid everywhere: the shape is static), and only its
@@ -89,13 +95,102 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-int grid_for(size_t bytes, const StagingLayout& layout) {
+// Push, poll, reduce, refill (lamport.cuh). Block b owns the same packs as
+// in the barrier kernel, and its own cells of the three buffers.
+template <DType D>
+__global__ void __launch_bounds__(kThreads)
+    lamport_all_reduce(ChannelView v, const Pack* __restrict__ in, Pack* __restrict__ out, size_t packs,
+                       size_t per_block) {
+  if (channel_poisoned<CudaMem>(v)) return;
+  const int block = blockIdx.x;
+  Signal* own = v.signals[v.rank];
+  // Written by this block's previous call, an earlier kernel on this stream.
+  const uint32_t call = own->lamport_calls[block];
+  const int buffer = call % kLamportBuffers;
+  const size_t lo = block * per_block;
+  const size_t n = lo < packs ? min(per_block, packs - lo) : 0;
+  const auto cell = [&](int owner, int buf, int source) {
+    return reinterpret_cast<Pack*>(v.lamport[owner] + v.lamport_layout.cell_offset(buf, source, block));
+  };
+
+  // 1. Push this rank's part into its cell of every peer's buffer.
+  for (size_t i = threadIdx.x; i < n; i += kThreads) {
+    const Pack x = lamport_encode(in[lo + i]);
+#pragma unroll
+    for (int p = 0; p < kMaxRanks; ++p) {
+      if (p < v.world && p != v.rank) cell(p, buffer, v.rank)[i] = x;
+    }
+  }
+
+  // 2. Poll each source's pack until every word arrived, then reduce in rank
+  //    order (C9). Bounded like every wait on a peer (C8); one timed-out
+  //    thread stops the block (volatile: read while others may write it).
+  __shared__ volatile int timed_out;
+  if (threadIdx.x == 0) timed_out = 0;
+  __syncthreads();
+  const uint64_t deadline = CudaMem::now_ns() + v.timeout_ns;
+  for (size_t i = threadIdx.x; i < n && !timed_out; i += kThreads) {
+    Pack staged[kMaxRanks];
+#pragma unroll
+    for (int q = 0; q < kMaxRanks; ++q) {
+      if (q >= v.world) continue;
+      if (q == v.rank) {
+        staged[q] = in[lo + i];
+        continue;
+      }
+      const Pack* src = cell(v.rank, buffer, q) + i;
+      staged[q] = load_volatile(src);
+      for (uint32_t spins = 1; !lamport_arrived(staged[q]); ++spins) {
+        if ((spins & 63) == 0 && CudaMem::now_ns() > deadline) {
+          record_timeout<CudaMem>(v, q, next_epoch<CudaMem>(v, block) + call);
+          timed_out = 1;
+          break;
+        }
+        staged[q] = load_volatile(src);
+      }
+    }
+    if (timed_out) break;
+    float acc[Elements<D>::kCount] = {};
+#pragma unroll
+    for (int q = 0; q < kMaxRanks; ++q) {
+      if (q < v.world) accumulate<D>(acc, staged[q]);
+    }
+    out[lo + i] = round_pack<D>(acc);
+  }
+
+  // 3. Refill the cells this block read in its previous call, then count.
+  const int previous = (call + kLamportBuffers - 1) % kLamportBuffers;
+  const uint32_t previous_packs = own->lamport_packs[block];
+  for (size_t i = threadIdx.x; i < previous_packs; i += kThreads) {
+#pragma unroll
+    for (int q = 0; q < kMaxRanks; ++q) {
+      if (q < v.world && q != v.rank) cell(v.rank, previous, q)[i] = lamport_empty_pack();
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && !timed_out) {
+    own->lamport_calls[block] = call + 1;
+    own->lamport_packs[block] = static_cast<uint32_t>(n);
+  }
+}
+
+int grid_for(size_t bytes, const StagingLayout& layout, size_t bytes_per_block) {
   const size_t by_capacity = (bytes + layout.block_bytes - 1) / layout.block_bytes;
-  const size_t by_speed = (bytes + kBytesPerBlock - 1) / kBytesPerBlock;
+  const size_t by_speed = (bytes + bytes_per_block - 1) / bytes_per_block;
   size_t grid = by_capacity > by_speed ? by_capacity : by_speed;
   if (grid < 1) grid = 1;
   if (grid > static_cast<size_t>(layout.max_blocks)) grid = layout.max_blocks;
   return static_cast<int>(grid);
+}
+
+template <DType D>
+void launch(bool lamport, int grid, cudaStream_t stream, const ChannelView& v, const Pack* in, Pack* out,
+            size_t packs, size_t per_block) {
+  if (lamport) {
+    lamport_all_reduce<D><<<grid, kThreads, 0, stream>>>(v, in, out, packs, per_block);
+  } else {
+    one_shot_all_reduce<D><<<grid, kThreads, 0, stream>>>(v, in, out, packs, per_block);
+  }
 }
 
 ffi::Error AllReduceCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
@@ -113,20 +208,23 @@ ffi::Error AllReduceCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                        " bytes is outside the channel's window (a multiple of 16 up to " +
                                        std::to_string(v.layout.capacity()) + ")");
   }
+  auto* out = static_cast<Pack*>(y->untyped_data());
+  if (handle.group->options().poison_outputs) cudaMemsetAsync(out, 0xFF, bytes, stream);  // NaN everywhere
   const size_t packs = bytes / kPackBytes;
-  const int grid = grid_for(bytes, v.layout);
+  const bool lamport = bytes <= v.lamport_layout.capacity();
+  const int grid = lamport ? grid_for(bytes, v.lamport_layout, kLamportBytesPerBlock)
+                           : grid_for(bytes, v.layout, kBytesPerBlock);
   const size_t per_block = (packs + grid - 1) / grid;
   const auto* in = static_cast<const Pack*>(x.untyped_data());
-  auto* out = static_cast<Pack*>(y->untyped_data());
   switch (x.element_type()) {
     case ffi::DataType::F32:
-      one_shot_all_reduce<DType::kF32><<<grid, kThreads, 0, stream>>>(v, in, out, packs, per_block);
+      launch<DType::kF32>(lamport, grid, stream, v, in, out, packs, per_block);
       break;
     case ffi::DataType::BF16:
-      one_shot_all_reduce<DType::kBF16><<<grid, kThreads, 0, stream>>>(v, in, out, packs, per_block);
+      launch<DType::kBF16>(lamport, grid, stream, v, in, out, packs, per_block);
       break;
     case ffi::DataType::F16:
-      one_shot_all_reduce<DType::kF16><<<grid, kThreads, 0, stream>>>(v, in, out, packs, per_block);
+      launch<DType::kF16>(lamport, grid, stream, v, in, out, packs, per_block);
       break;
     default:
       return ffi::Error::InvalidArgument("b12x_jax.all_reduce: dtype must be float32, bfloat16 or float16");

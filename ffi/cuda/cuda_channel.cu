@@ -4,21 +4,14 @@
 
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cuda_memory.cuh"
+#include "lamport.cuh"
 
 namespace b12x {
 namespace {
-
-// Restores the calling thread's current device when setup is done.
-class DeviceGuard {
- public:
-  DeviceGuard() { cudaGetDevice(&saved_); }
-  ~DeviceGuard() { cudaSetDevice(saved_); }
-
- private:
-  int saved_ = 0;
-};
 
 constexpr int kProbeWords = 256;
 
@@ -35,7 +28,12 @@ __global__ void fill_kernel(uint32_t* words, uint32_t base) { words[threadIdx.x]
 
 std::string probe_pair(int a, int b) {
   int can = 0;
-  cudaDeviceCanAccessPeer(&can, a, b);
+  const cudaError_t query = cudaDeviceCanAccessPeer(&can, a, b);
+  if (query != cudaSuccess) {
+    cudaGetLastError();  // not sticky: keep it from surfacing in a later launch check
+    return "cudaDeviceCanAccessPeer(" + std::to_string(a) + ", " + std::to_string(b) + ") failed: " +
+           cudaGetErrorString(query);
+  }
   if (!can) return "cudaDeviceCanAccessPeer(" + std::to_string(a) + ", " + std::to_string(b) + ") is 0";
   cudaSetDevice(a);
   cudaError_t err = cudaDeviceEnablePeerAccess(b, 0);
@@ -83,31 +81,32 @@ std::string probe_pair(int a, int b) {
 
 class CudaGroup final : public ChannelGroup {
  public:
-  CudaGroup(const std::string& channel, std::vector<int> ordinals, size_t capacity_bytes, double timeout_s,
-            int max_blocks)
-      : ChannelGroup(channel, Platform::kCuda, std::move(ordinals), timeout_s) {
+  CudaGroup(const std::string& channel, std::vector<int> ordinals, const ChannelOptions& options)
+      : ChannelGroup(channel, Platform::kCuda, std::move(ordinals), options) {
     DeviceGuard guard;
     const int world = this->world();
-    const size_t block_bytes = capacity_bytes / max_blocks / kPackBytes * kPackBytes;
-    const StagingLayout layout{block_bytes, world, max_blocks};
+    const int max_blocks = options.max_blocks;
+    const auto cell_bytes = [&](size_t bytes) { return bytes / max_blocks / kPackBytes * kPackBytes; };
+    const StagingLayout layout{cell_bytes(options.capacity_bytes), world, max_blocks, 2};
+    const StagingLayout lamport_layout{cell_bytes(options.lamport_bytes), world, max_blocks, kLamportBuffers};
     ChannelView view{};
     view.layout = layout;
+    view.lamport_layout = lamport_layout;
     view.world = world;
-    view.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+    view.timeout_ns = static_cast<uint64_t>(options.timeout_s * 1e9);
     try {
       for (int r = 0; r < world; ++r) {
         B12X_CUDA_CHECK(cudaSetDevice(ordinals_[r]));
-        B12X_CUDA_CHECK(cudaMalloc(&view.signals[r], sizeof(Signal)));
-        devices_.push_back(ordinals_[r]);
-        B12X_CUDA_CHECK(cudaMemset(view.signals[r], 0, sizeof(Signal)));
-        B12X_CUDA_CHECK(cudaMalloc(&view.staging[r], layout.total_bytes()));
-        B12X_CUDA_CHECK(cudaMemset(view.staging[r], 0, layout.total_bytes()));
+        view.signals[r] = static_cast<Signal*>(device_alloc(r, sizeof(Signal), 0));
+        view.staging[r] = static_cast<char*>(device_alloc(r, layout.total_bytes(), 0));
+        if (lamport_layout.total_bytes() > 0) {
+          view.lamport[r] = static_cast<char*>(device_alloc(r, lamport_layout.total_bytes(), kLamportEmptyByte));
+        }
         ErrorRecord* record = nullptr;
         B12X_CUDA_CHECK(cudaHostAlloc(&record, sizeof(ErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable));
         *record = ErrorRecord{};
         host_errors_.push_back(record);
         signals_.push_back(view.signals[r]);
-        staging_.push_back(view.staging[r]);
         B12X_CUDA_CHECK(cudaDeviceSynchronize());
       }
     } catch (...) {
@@ -124,44 +123,40 @@ class CudaGroup final : public ChannelGroup {
   ~CudaGroup() override {
     // Pending calls may still touch this memory on any rank: wait for them.
     DeviceGuard guard;
-    for (int d : devices_) {
+    for (int d : ordinals_) {
       cudaSetDevice(d);
       cudaDeviceSynchronize();
     }
     free_all();
   }
 
-  uint32_t read_epoch(int rank) const override {
-    DeviceGuard guard;
-    cudaSetDevice(ordinals_[rank]);
-    uint32_t epoch = 0;
-    cudaMemcpy(&epoch, &signals_[rank]->counter[0][rank == 0 ? 1 : 0], sizeof(epoch), cudaMemcpyDeviceToHost);
-    return epoch;
-  }
-  bool read_poisoned(int rank) const override {
-    DeviceGuard guard;
-    cudaSetDevice(ordinals_[rank]);
-    uint32_t poisoned = 0;
-    cudaMemcpy(&poisoned, &signals_[rank]->poisoned, sizeof(poisoned), cudaMemcpyDeviceToHost);
-    return poisoned != 0;
-  }
+  uint32_t read_calls(int rank) const override { return read_device_calls(ordinals_[rank], signals_[rank], rank); }
+  bool read_poisoned(int rank) const override { return read_device_poisoned(ordinals_[rank], signals_[rank]); }
 
  private:
+  // cudaMalloc + cudaMemset on rank `rank`'s device (current), owned by the group.
+  void* device_alloc(int rank, size_t bytes, int fill) {
+    void* p = nullptr;
+    B12X_CUDA_CHECK(cudaMalloc(&p, bytes));
+    device_memory_.push_back({ordinals_[rank], p});
+    B12X_CUDA_CHECK(cudaMemset(p, fill, bytes));
+    return p;
+  }
+
+  // Frees whatever the constructor got to.
   void free_all() {
-    for (size_t r = 0; r < signals_.size(); ++r) {
-      cudaSetDevice(devices_[r]);
-      cudaFree(signals_[r]);
-      cudaFree(staging_[r]);
-      cudaFreeHost(host_errors_[r]);
+    for (const auto& [device, p] : device_memory_) {
+      cudaSetDevice(device);
+      cudaFree(p);
     }
-    signals_.clear();
-    staging_.clear();
+    for (ErrorRecord* record : host_errors_) cudaFreeHost(record);
+    device_memory_.clear();
     host_errors_.clear();
   }
 
-  std::vector<int> devices_;
-  std::vector<Signal*> signals_;
-  std::vector<char*> staging_;
+  std::vector<std::pair<int, void*>> device_memory_;
+  std::vector<Signal*> signals_;  // per rank, for the host-side reads
+
 };
 
 }  // namespace
@@ -178,8 +173,8 @@ std::string probe_peer_access(const std::vector<int>& ordinals) {
   return {};
 }
 
-std::unique_ptr<ChannelGroup> make_cuda_group(const std::string& channel, std::vector<int> ordinals,
-                                              size_t capacity_bytes, double timeout_s, int max_blocks) {
+int resolve_max_blocks(const ChannelOptions& options, const std::vector<int>& ordinals) {
+  int max_blocks = options.max_blocks;
   if (max_blocks == 0) {  // default: as many as fit, up to kMaxBlocks
     int sms = kMaxBlocks;
     for (int d : ordinals) {
@@ -202,10 +197,33 @@ std::unique_ptr<ChannelGroup> make_cuda_group(const std::string& channel, std::v
                                   "; lower Communicator(max_blocks=...)");
     }
   }
-  if (capacity_bytes / max_blocks < kPackBytes) {
+  if (options.capacity_bytes / max_blocks < kPackBytes) {
     throw std::invalid_argument("b12x_jax: capacity_bytes must be at least 16 * max_blocks");
   }
-  return std::make_unique<CudaGroup>(channel, std::move(ordinals), capacity_bytes, timeout_s, max_blocks);
+  return max_blocks;
+}
+
+uint32_t read_device_calls(int ordinal, const Signal* signal, int rank) {
+  DeviceGuard guard;
+  cudaSetDevice(ordinal);
+  uint32_t barrier = 0, lamport = 0;
+  cudaMemcpy(&barrier, &signal->counter[0][rank == 0 ? 1 : 0], sizeof(barrier), cudaMemcpyDeviceToHost);
+  cudaMemcpy(&lamport, &signal->lamport_calls[0], sizeof(lamport), cudaMemcpyDeviceToHost);
+  return barrier + lamport;
+}
+
+bool read_device_poisoned(int ordinal, const Signal* signal) {
+  DeviceGuard guard;
+  cudaSetDevice(ordinal);
+  uint32_t poisoned = 0;
+  cudaMemcpy(&poisoned, &signal->poisoned, sizeof(poisoned), cudaMemcpyDeviceToHost);
+  return poisoned != 0;
+}
+
+std::unique_ptr<ChannelGroup> make_cuda_group(const std::string& channel, std::vector<int> ordinals,
+                                              ChannelOptions options) {
+  options.max_blocks = resolve_max_blocks(options, ordinals);
+  return std::make_unique<CudaGroup>(channel, std::move(ordinals), options);
 }
 
 }  // namespace b12x

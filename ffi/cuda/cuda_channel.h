@@ -16,11 +16,21 @@ namespace b12x {
 // P2P that does not work: DESIGN §3).
 std::string probe_peer_access(const std::vector<int>& ordinals);
 
+// The largest grid a group on `ordinals` (this process's devices) uses:
+// `options.max_blocks`, or for 0 the smallest SM count up to kMaxBlocks.
+// Throws std::invalid_argument where it does not fit a device (DESIGN C10).
+int resolve_max_blocks(const ChannelOptions& options, const std::vector<int>& ordinals);
+
+// Host-side reads of a rank's signal region on device `ordinal` (stats).
+uint32_t read_device_calls(int ordinal, const Signal* signal, int rank);
+bool read_device_poisoned(int ordinal, const Signal* signal);
+
 // Allocates and zero-fills Signal, staging and a mapped host error record per
-// rank. `max_blocks` is the largest grid a call may use; it must fit on the
+// rank, and Lamport buffers filled with the "empty" word (lamport.cuh).
+// `options.max_blocks` is the largest grid a call may use; it must fit on the
 // GPU at once (DESIGN C10) and is checked against the SM count here; 0
 // takes the largest that fits, up to kMaxBlocks.
 std::unique_ptr<ChannelGroup> make_cuda_group(const std::string& channel, std::vector<int> ordinals,
-                                              size_t capacity_bytes, double timeout_s, int max_blocks);
+                                              ChannelOptions options);
 
 }  // namespace b12x

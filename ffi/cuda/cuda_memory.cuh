@@ -2,6 +2,8 @@
 // flag access is at system scope, so it orders peer (NVLink/PCIe) traffic.
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 
 namespace b12x {
@@ -32,6 +34,16 @@ struct CudaMem {
     return t;
   }
   static __device__ __forceinline__ void pause() {}
+};
+
+// Restores the calling thread's current device when setup is done.
+class DeviceGuard {
+ public:
+  DeviceGuard() { cudaGetDevice(&saved_); }
+  ~DeviceGuard() { cudaSetDevice(saved_); }
+
+ private:
+  int saved_ = 0;
 };
 
 #define B12X_CUDA_CHECK(expr)                                                          \

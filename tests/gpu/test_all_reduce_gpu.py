@@ -1,6 +1,11 @@
-"""all_reduce on 2 CUDA GPUs of one process (marked gpu; skipped below 2)."""
+"""all_reduce on 2 CUDA GPUs of one process (marked gpu; skipped below 2).
+
+Value tests run with ``poison_outputs``: every output is NaN before the
+kernel writes it, so an element the kernel misses fails the test."""
 
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import numpy as np
@@ -9,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import b12x_jax
+from b12x_jax import _b12x
 from conftest import requires_2_gpus, run_worker
 from helpers import DTYPES, assert_sum_matches, random_shards
 
@@ -25,21 +31,72 @@ def _per_rank_all_reduce(mesh):
                                out_specs=P("x")))
 
 
-@pytest.mark.parametrize("dtype_name", list(DTYPES))
-@pytest.mark.parametrize("nbytes", [16, 4096, 65536, 1 << 20, 8 << 20])
-def test_all_reduce_matches_float64_reference_on_every_rank(dtype_name, nbytes):
+@contextlib.contextmanager
+def _communicator(**options):
+  """A fresh Communicator with ``options`` for the block, then the default."""
+  b12x_jax.get_communicator().close()
+  comm = b12x_jax.Communicator(**options)
+  b12x_jax.set_communicator(comm)
+  try:
+    yield comm
+  finally:
+    comm.close()
+    b12x_jax.set_communicator(b12x_jax.Communicator())
+
+
+def _check_values(nbytes: int, dtype_name: str, calls: int = 3) -> None:
   dtype = DTYPES[dtype_name]
   mesh = _mesh()
   fn = _per_rank_all_reduce(mesh)
   rng = np.random.default_rng(nbytes)
   elems = nbytes // np.dtype(dtype).itemsize
   with b12x_jax.channel("values"):
-    for _ in range(3):  # fresh inputs each call
+    for _ in range(calls):  # fresh inputs each call
       shards = random_shards(rng, N, elems, dtype)
       out = fn(jax.device_put(shards.reshape(-1), NamedSharding(mesh, P("x"))))
       assert_sum_matches(np.asarray(out).reshape(N, -1), shards, dtype_name)
   assert b12x_jax.get_communicator().decisions[-1].path == "b12x"
   b12x_jax.check_errors()
+
+
+LAMPORT_BYTES = 1 << 20  # the default window: sizes up to it take the Lamport path
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("nbytes", [16, 4096, 65536, LAMPORT_BYTES, LAMPORT_BYTES + 16, 8 << 20])
+def test_all_reduce_matches_float64_reference_on_every_rank(dtype_name, nbytes):
+  with _communicator(poison_outputs=True, lamport_bytes=LAMPORT_BYTES):
+    _check_values(nbytes, dtype_name)
+
+
+@pytest.mark.parametrize("nbytes", [16, 4096, 65536])
+def test_barrier_path_is_right_for_small_payloads_too(nbytes):
+  with _communicator(poison_outputs=True, lamport_bytes=0) as comm:
+    _check_values(nbytes, "bfloat16", calls=5)
+    assert comm.stats("values", jax.devices("gpu")[0])["lamport_bytes"] == 0
+
+
+def test_nan_payloads_whose_bits_are_the_lamport_empty_word_do_not_hang():
+  mesh = _mesh()
+  fn = _per_rank_all_reduce(mesh)
+  rng = np.random.default_rng(3)
+  shards = random_shards(rng, N, 4096, np.float32)
+  bits = shards.view(np.uint32)
+  bits[0, ::7] = 0xFFFFFFFF  # the "empty" pattern, a NaN
+  with _communicator(poison_outputs=True, timeout_s=5.0), b12x_jax.channel("values"):
+    out = np.asarray(fn(jax.device_put(shards.reshape(-1), NamedSharding(mesh, P("x"))))).reshape(N, -1)
+    b12x_jax.check_errors()
+  nan = np.zeros(4096, bool)
+  nan[::7] = True
+  assert np.isnan(out[:, nan]).all()
+  assert_sum_matches(out[:, ~nan], shards[:, ~nan], "float32")
+
+
+def test_peer_probe_reports_a_pair_that_does_not_work():
+  ordinals = [d.local_hardware_id for d in jax.devices("gpu")[:N]]
+  assert _b12x.probe_peer_access(ordinals) == ""
+  problem = _b12x.probe_peer_access([ordinals[0], 1000])
+  assert problem and "1000" in problem, problem
 
 
 @pytest.mark.parametrize("graphs", ["on", "off"])
@@ -69,8 +126,10 @@ def test_target_and_draft_alternate_on_separate_channels():
       assert comm.stats(name, device)["epoch"] == calls
 
 
-def test_a_peer_that_never_joins_raises_the_timeout_error():
-  result = run_worker("timeout", "--platform", "gpu", "--timeout", "1.0", hard_timeout=120)
+@pytest.mark.parametrize("lamport_bytes", [1 << 20, 0], ids=["lamport", "barrier"])
+def test_a_peer_that_never_joins_raises_the_timeout_error(lamport_bytes):
+  result = run_worker("timeout", "--platform", "gpu", "--timeout", "1.0", f"--lamport-bytes={lamport_bytes}",
+                      hard_timeout=120)
   assert len(result["messages"]) == 2, result
   for message in result["messages"]:
     assert "channel 'lonely'" in message and "rank 0" in message and "rank 1" in message

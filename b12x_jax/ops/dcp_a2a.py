@@ -1,0 +1,177 @@
+"""dcp_a2a: the DCP merge of partial attention over a mesh axis (DESIGN §1, §2)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from b12x_jax import _compat
+from b12x_jax.channels import resolve_channel
+from b12x_jax.communicator import PACK_BYTES, get_communicator
+from b12x_jax.ops._common import axis_size, b12x_lowering
+
+_OP = "dcp_a2a"
+_TARGET = "b12x_dcp_a2a"
+_FALLBACK = "all_to_all"
+_OUT_DTYPES = ("bfloat16", "float16")
+_LSE_BASES = ("e", "2")
+# Largest CUDA grid a channel can have (Communicator(max_blocks=None) takes
+# min(64, SM count)); see _staged_bytes.
+_MAX_BLOCKS = 64
+_LSE_BYTES = 4
+
+# -- validation -----------------------------------------------------------------
+
+
+def _check_operands(out, lse, lse_base: str) -> tuple[jax.Array, jax.Array]:
+  for arg, x in (("out", out), ("lse", lse)):
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+      raise TypeError(f"b12x_jax.{_OP}: {arg} must be an array, got {type(x).__name__}")
+  out, lse = jnp.asarray(out), jnp.asarray(lse)
+  if out.ndim != 3:
+    raise ValueError(f"b12x_jax.{_OP}: out must be [B, H, D] (3 dims), got shape {out.shape}; "
+                     f"reshape the partial attention output to batch x heads x head_dim")
+  if out.dtype.name not in _OUT_DTYPES:
+    raise TypeError(f"b12x_jax.{_OP}: out must be bfloat16 or float16, got {out.dtype.name}; "
+                    f"cast it (out.astype(jnp.bfloat16))")
+  if lse.shape != out.shape[:2]:
+    raise ValueError(f"b12x_jax.{_OP}: lse must have shape out.shape[:2] = {out.shape[:2]} ([B, H]), "
+                     f"got {lse.shape}")
+  if lse.dtype != jnp.float32:
+    raise TypeError(f"b12x_jax.{_OP}: lse must be float32, got {lse.dtype.name}; cast it (lse.astype(jnp.float32))")
+  if lse_base not in _LSE_BASES:
+    raise ValueError(f"b12x_jax.{_OP}: lse_base must be 'e' (natural log) or '2' (log2), got {lse_base!r}")
+  return out, lse
+
+
+def _check_heads(heads: int, size: int, axis_name: str) -> None:
+  if heads % size:
+    raise ValueError(f"b12x_jax.{_OP}: H={heads} heads must be a multiple of the {size} devices of axis "
+                     f"{axis_name!r}; pad the heads to a multiple of {size}")
+
+
+def _staged_bytes(rows: int, row_bytes: int, max_blocks: int) -> int:
+  """Bytes one call stages per source, counted so that it fits whatever
+  grid the channel has: a CUDA block stages whole rows in its own cell of
+  capacity / max_blocks bytes (ffi/dcp.h, plan_dcp), which wastes less than
+  one row plus 16 bytes of rounding per block."""
+  per_row = row_bytes + _LSE_BYTES
+  return rows * per_row + max_blocks * (per_row + PACK_BYTES)
+
+
+# -- public function -------------------------------------------------------------
+
+
+def dcp_a2a(out, lse, axis_name: str, *, return_lse: bool = False, lse_base: str = "e",
+            channel: str | None = None):
+  """The DCP merge: combines the partial attention of every rank of mesh
+  axis ``axis_name`` and returns this rank's head shard.
+
+  Rank r holds ``out`` [B, H, D] (bfloat16/float16) and ``lse`` [B, H]
+  (float32) over its own KV shard, for all H heads; H must be a multiple of
+  the axis size N. Rank r gets heads [r*H/N, (r+1)*H/N): with
+  ``m = max_s lse_s`` and ``w_s = exp(lse_s - m)`` (``exp2`` when
+  ``lse_base="2"``), ``sum_s w_s * out_s / sum_s w_s`` as [B, H/N, D] in
+  out's dtype, and with ``return_lse`` also ``m + log(sum_s w_s)`` (log2)
+  as [B, H/N] float32: a tuple ``(out, lse)``. A source whose lse is not
+  finite (-inf for an empty KV shard or a padded row, NaN, +inf) has weight
+  0 and its out is never read; where no source contributes the result is 0
+  and its lse -inf. fp32 math, sources summed in rank order 0..N-1.
+
+  Call it inside ``jax.shard_map`` (under ``jax.jit``); the result varies
+  over the axis. Runs on the channel of the enclosing ``b12x_jax.channel``
+  scope (or ``channel``; "default" outside any scope), in the same ordered
+  sequence as the channel's all_reduce calls.
+
+  Takes the b12x path when a row of out is a multiple of 16 bytes and the
+  rows staged per source fit the communicator's ``capacity_bytes``;
+  otherwise ``jax.lax.all_to_all`` plus the same merge in jnp (policy
+  "auto") or an IneligibleError (policy "strict"). The choice is recorded
+  in ``get_communicator().decisions``.
+  """
+  out, lse = _check_operands(out, lse, lse_base)
+  size = axis_size(axis_name, _OP)
+  batch, heads, dim = out.shape
+  _check_heads(heads, size, axis_name)
+  name = resolve_channel(channel, _OP)
+  base2 = lse_base == "2"
+  if size == 1:
+    results = _merge(out[None], lse[None], base2=base2, return_lse=return_lse)
+  else:
+    comm = get_communicator()
+    row_bytes = dim * out.dtype.itemsize
+    staged = _staged_bytes(batch * heads // size, row_bytes, comm.max_blocks or _MAX_BLOCKS)
+    decision = comm.choose_path(_OP, name, row_bytes, out.dtype, size, unit="row of out", staged_bytes=staged,
+                                fallback=_FALLBACK)
+    if decision.path == "b12x":
+      results = dcp_a2a_p.bind(out, lse, axis_name=axis_name, channel=name, base2=base2, return_lse=return_lse)
+    else:
+      results = _all_to_all_path(out, lse, axis_name=axis_name, base2=base2, return_lse=return_lse)
+  return tuple(results) if return_lse else results[0]
+
+
+# -- lowering ---------------------------------------------------------------------
+
+
+def _abstract_eval(out, lse, *, axis_name: str, channel: str, base2: bool, return_lse: bool):
+  del channel, base2
+  batch, heads, dim = out.shape
+  shard_heads = heads // jax.lax.axis_size(axis_name)
+  axes = {axis_name} | _compat.varying_axes(lse)
+  merged = _compat.add_varying_axes(out.update(shape=(batch, shard_heads, dim)), axes)
+  if not return_lse:
+    return [merged]
+  return [merged, _compat.add_varying_axes(lse.update(shape=(batch, shard_heads)), axes)]
+
+
+def _eager_impl(out, lse, *, axis_name: str, channel: str, base2: bool, return_lse: bool):
+  raise ValueError(f"b12x_jax.{_OP} runs inside jax.shard_map under jax.jit, not eagerly "
+                   f"(axis {axis_name!r}, channel {channel!r})")
+
+
+def _merge(outs, lses, *, base2: bool, return_lse: bool) -> list:
+  """The merge of ffi/dcp.h in jnp: ``outs`` [N, B, h, D] and ``lses``
+  [N, B, h] of N sources, summed in source order."""
+  finite = jnp.isfinite(lses)
+  m = jnp.max(jnp.where(finite, lses, -jnp.inf), axis=0)
+  anchor = jnp.where(jnp.isfinite(m), m, 0.0)  # keeps -inf - -inf (NaN) out of the untaken branch
+  exp, log = (jnp.exp2, jnp.log2) if base2 else (jnp.exp, jnp.log)
+  weights = jnp.where(finite, exp(jnp.where(finite, lses, anchor) - anchor), 0.0)
+  total = weights[0]
+  for q in range(1, lses.shape[0]):
+    total = total + weights[q]
+  scale = jnp.where(total > 0, weights / jnp.where(total > 0, total, 1.0), 0.0)
+  acc = jnp.zeros(outs.shape[1:], jnp.float32)
+  for q in range(outs.shape[0]):  # rank order (C9); a source of weight 0 is never read
+    contributes = (scale[q] != 0)[..., None]
+    acc = acc + jnp.where(contributes, scale[q][..., None] * outs[q].astype(jnp.float32), 0.0)
+  results = [acc.astype(outs.dtype)]
+  if return_lse:
+    results.append(jnp.where(total > 0, m + log(jnp.where(total > 0, total, 1.0)), -jnp.inf))
+  return results
+
+
+def _all_to_all_path(out, lse, *, axis_name: str, base2: bool, return_lse: bool) -> list:
+  """The fallback: every rank sends destination p the heads of p's shard
+  with ``jax.lax.all_to_all``, then merges the N sources locally."""
+  size = jax.lax.axis_size(axis_name)
+  batch, heads, dim = out.shape
+  shard_heads = heads // size
+  by_dest = out.reshape(batch, size, shard_heads, dim).transpose(1, 0, 2, 3)  # [N, B, h, D]
+  lse_by_dest = lse.reshape(batch, size, shard_heads).transpose(1, 0, 2)
+  outs = jax.lax.all_to_all(by_dest, axis_name, 0, 0)  # now [source, B, h, D]
+  lses = jax.lax.all_to_all(lse_by_dest, axis_name, 0, 0)
+  return _merge(outs, lses, base2=base2, return_lse=return_lse)
+
+
+# -- registration ----------------------------------------------------------------
+
+dcp_a2a_p = Primitive("b12x_dcp_a2a")
+dcp_a2a_p.multiple_results = True
+dcp_a2a_p.def_abstract_eval(_abstract_eval)
+dcp_a2a_p.def_impl(_eager_impl)
+for _platform in ("cpu", "cuda"):
+  mlir.register_lowering(dcp_a2a_p, b12x_lowering(_OP, _TARGET, _all_to_all_path, _FALLBACK), platform=_platform)
+mlir.register_lowering(dcp_a2a_p, mlir.lower_fun(_all_to_all_path, multiple_results=True))

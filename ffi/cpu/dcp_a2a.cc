@@ -1,0 +1,131 @@
+// DCP all-to-all merge on the host backend: the protocol of protocol.h with
+// one block, driven by the progress thread (progress.h); the rows and the
+// merge math are those of dcp.h.
+#include <cstring>
+#include <string>
+#include <string_view>
+
+#include "../dcp.h"
+#include "../dcp_call.h"
+#include "../registry.h"
+#include "progress.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace b12x {
+namespace {
+
+// Pushes, into every peer p's cell of this rank, the rows of p's heads: lse
+// always, the payload only where the lse is finite (nobody reads it
+// otherwise).
+void stage_rows(const ChannelView& v, const DcpShape& s, int slot, const Pack* in, const float* in_lse) {
+  const DcpCell cell{s.rows(), s.row_packs};
+  for (int p = 0; p < v.world; ++p) {
+    if (p == v.rank) continue;
+    char* base = v.staging[p] + v.layout.cell_offset(slot, v.rank, 0);
+    Pack* payload = cell.payload(base);
+    float* lse = cell.lse(base);
+    for (int row = 0; row < cell.rows; ++row) {
+      const size_t src = s.input_row(p, row);
+      lse[row] = in_lse[src];
+      if (lse_finite(in_lse[src])) {
+        std::memcpy(payload + static_cast<size_t>(row) * s.row_packs, in + src * s.row_packs, s.row_bytes());
+      }
+    }
+  }
+}
+
+// Merges this rank's rows: its own from the input, the peers' from its cells.
+template <DType D>
+void merge_rows(const ChannelView& v, const DcpShape& s, int slot, const Pack* in, const float* in_lse, Pack* out,
+                float* out_lse) {
+  const DcpCell cell{s.rows(), s.row_packs};
+  const Pack* payload[kMaxRanks];
+  const float* lse[kMaxRanks];
+  for (int q = 0; q < v.world; ++q) {
+    char* base = v.staging[v.rank] + v.layout.cell_offset(slot, q, 0);
+    payload[q] = cell.payload(base);
+    lse[q] = cell.lse(base);
+  }
+  for (int row = 0; row < cell.rows; ++row) {
+    const size_t own = s.input_row(v.rank, row);
+    const Pack* rows[kMaxRanks];
+    float row_lse[kMaxRanks], scale[kMaxRanks];
+    for (int q = 0; q < v.world; ++q) {
+      rows[q] = q == v.rank ? in + own * s.row_packs : payload[q] + static_cast<size_t>(row) * s.row_packs;
+      row_lse[q] = q == v.rank ? in_lse[own] : lse[q][row];
+    }
+    const float merged = merge_weights(row_lse, v.world, s.base2, scale);
+    for (int k = 0; k < s.row_packs; ++k) {
+      float acc[Elements<D>::kCount] = {};
+      for (int q = 0; q < v.world; ++q) {  // rank order: C9
+        if (scale[q] != 0.0f) accumulate_scaled<D>(acc, rows[q][k], scale[q]);
+      }
+      out[static_cast<size_t>(row) * s.row_packs + k] = round_pack<D>(acc);
+    }
+    if (out_lse != nullptr) out_lse[row] = merged;
+  }
+}
+
+using Merger = void (*)(const ChannelView&, const DcpShape&, int, const Pack*, const float*, Pack*, float*);
+
+// Empty when the call can run; else why not. Fills `shape` and `out_lse`.
+std::string check_call(const RankHandle& handle, const ffi::AnyBuffer& x, const ffi::AnyBuffer& lse,
+                       const ffi::RemainingRets& rets, bool base2, bool return_lse, DcpShape& shape,
+                       float*& out_lse) {
+  const ChannelView& v = handle.view();
+  std::string problem = dcp_call_shape(x, lse, rets.size(), return_lse, v, base2, shape);
+  if (!problem.empty()) return problem;
+  if (plan_dcp(shape, v.layout, 1).grid == 0) return dcp_capacity_message(shape, v.layout);
+  if (return_lse) {
+    auto lse_out = rets.get<ffi::AnyBuffer>(0);
+    if (!lse_out.has_value()) return "b12x_jax.dcp_a2a: the merged lse result is not a buffer";
+    out_lse = static_cast<float*>((*lse_out)->untyped_data());
+    if (handle.group->options().poison_outputs) std::memset(out_lse, 0xFF, (*lse_out)->size_bytes());
+  }
+  return {};
+}
+
+ffi::Future DcpA2aHost(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer lse, ffi::Result<ffi::AnyBuffer> y,
+                       ffi::RemainingRets rets, std::string_view channel_id, bool base2, bool return_lse) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  const RankHandle handle = Registry::get().find(Platform::kHost, channel_id, ordinal);
+  DcpShape s{};
+  float* out_lse = nullptr;
+  const std::string problem = handle ? check_call(handle, x, lse, rets, base2, return_lse, s, out_lse)
+                                     : unprepared_message("dcp_a2a", channel_id, ordinal);
+  if (!problem.empty()) {
+    promise.SetError(ffi::Error::InvalidArgument(problem));
+    return future;
+  }
+  const Merger merge = x.element_type() == ffi::DataType::BF16 ? merge_rows<DType::kBF16> : merge_rows<DType::kF16>;
+  const auto* in = static_cast<const Pack*>(x.untyped_data());
+  const auto* in_lse = static_cast<const float*>(lse.untyped_data());
+  auto* out = static_cast<Pack*>(y->untyped_data());
+  if (handle.group->options().poison_outputs) std::memset(out, 0xFF, y->size_bytes());  // NaN everywhere
+  HostCall call;
+  call.handle = handle;
+  call.stage = [s, in, in_lse](const ChannelView& v, uint32_t epoch) { stage_rows(v, s, epoch & 1, in, in_lse); };
+  call.finish = [s, in, in_lse, out, out_lse, merge](const ChannelView& v, uint32_t epoch) {
+    merge(v, s, epoch & 1, in, in_lse, out, out_lse);
+  };
+  call.promise = promise;
+  submit_host_call(std::move(call));
+  return future;
+}
+
+}  // namespace
+}  // namespace b12x
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_dcp_a2a_host, b12x::DcpA2aHost,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // out [B, H, D]
+                                  .Arg<xla::ffi::AnyBuffer>()  // lse [B, H], float32
+                                  .Ret<xla::ffi::AnyBuffer>()  // merged out [B, H/N, D]
+                                  .RemainingRets()             // merged lse [B, H/N], when asked for
+                                  .Attr<std::string_view>("channel_id")
+                                  .Attr<bool>("base2")
+                                  .Attr<bool>("return_lse"));

@@ -1,0 +1,149 @@
+#include "shm_channel.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+#include "host_memory.h"
+
+namespace b12x {
+namespace {
+
+std::runtime_error posix_error(const std::string& what, const std::string& name) {
+  return std::runtime_error(what + "('" + name + "') failed: " + std::strerror(errno));
+}
+
+// A segment's layout: the Signal first (its size keeps the 128-byte
+// alignment), the staging region after it.
+size_t segment_bytes(const StagingLayout& layout) { return sizeof(Signal) + layout.total_bytes(); }
+
+class ShmGroup final : public SharedGroup {
+ public:
+  ShmGroup(const std::string& channel, std::vector<int> ordinals, const ChannelOptions& options)
+      : SharedGroup(channel, Platform::kHost, std::move(ordinals), options) {
+    const int world = this->world();
+    layout_ = StagingLayout{options.capacity_bytes, world, 1, 2};  // one "block": as HostGroup
+    ChannelView view{};
+    view.layout = layout_;
+    view.world = world;
+    view.timeout_ns = static_cast<uint64_t>(options.timeout_s * 1e9);
+    views_.assign(world, view);
+    host_errors_.assign(world, nullptr);
+    names_.assign(world, std::string());
+    try {
+      for (int r = 0; r < world; ++r) {
+        if (!is_local(r)) continue;
+        names_[r] = unique_name(r);
+        // O_EXCL: never attach to a stale segment; ftruncate zero-fills it.
+        const int fd = shm_open(names_[r].c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+        if (fd < 0) throw posix_error("shm_open", names_[r]);
+        const bool sized = ftruncate(fd, static_cast<off_t>(segment_bytes(layout_))) == 0;
+        void* base = sized ? map(fd) : MAP_FAILED;
+        close(fd);
+        if (base == MAP_FAILED) {
+          shm_unlink(names_[r].c_str());
+          throw posix_error(sized ? "mmap" : "ftruncate", names_[r]);
+        }
+        exports_.push_back(base);
+        place(r, base);
+        host_errors_[r] = new ErrorRecord{};
+        views_[r].rank = r;
+        views_[r].error = host_errors_[r];
+      }
+    } catch (...) {
+      free_all();
+      throw;
+    }
+  }
+
+  ~ShmGroup() override { free_all(); }
+
+  std::string exported(int rank) const override { return names_[rank]; }
+
+  void open(int rank, const std::string& name) override {
+    const int fd = shm_open(name.c_str(), O_RDWR, 0);
+    if (fd < 0) throw posix_error("shm_open", name);
+    struct stat st {};
+    const bool fits = fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == segment_bytes(layout_);
+    void* base = fits ? map(fd) : MAP_FAILED;
+    close(fd);
+    if (!fits) {
+      throw std::runtime_error("shared-memory segment '" + name + "' of rank " + std::to_string(rank) +
+                               " has another size than this rank's (channel options differ between processes?)");
+    }
+    if (base == MAP_FAILED) throw posix_error("mmap", name);
+    imports_.push_back(base);
+    place(rank, base);
+  }
+
+  // The segments stay mapped; the names only served the exchange. Unlinked
+  // now, nothing is left in /dev/shm if a process dies later.
+  void opened_everywhere() override { unlink_all(); }
+
+  void close_imports() override {
+    for (void* p : imports_) munmap(p, segment_bytes(layout_));
+    imports_.clear();
+  }
+
+  uint32_t read_calls(int rank) const override {
+    return HostMem::load_relaxed(&views_[rank].signals[rank]->counter[0][rank == 0 ? 1 : 0]);
+  }
+  bool read_poisoned(int rank) const override {
+    return HostMem::load_relaxed(&views_[rank].signals[rank]->poisoned) != 0;
+  }
+
+ private:
+  // "/b12x.<pid>.<n>.r<rank>": unique on the host while this process lives.
+  static std::string unique_name(int rank) {
+    static std::atomic<unsigned> next{0};
+    return "/b12x." + std::to_string(getpid()) + "." + std::to_string(next++) + ".r" + std::to_string(rank);
+  }
+
+  void* map(int fd) const { return mmap(nullptr, segment_bytes(layout_), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0); }
+
+  // Points every local view at rank `rank`'s segment.
+  void place(int rank, void* base) {
+    for (ChannelView& v : views_) {
+      v.signals[rank] = static_cast<Signal*>(base);
+      v.staging[rank] = static_cast<char*>(base) + sizeof(Signal);
+    }
+  }
+
+  void unlink_all() {
+    for (std::string& name : names_) {
+      if (!name.empty()) shm_unlink(name.c_str());
+      name.clear();
+    }
+  }
+
+  void free_all() {
+    close_imports();
+    for (void* p : exports_) munmap(p, segment_bytes(layout_));
+    exports_.clear();
+    unlink_all();
+    for (ErrorRecord*& record : host_errors_) {
+      delete record;
+      record = nullptr;
+    }
+  }
+
+  StagingLayout layout_{};
+  std::vector<std::string> names_;  // per rank: the local segments' names until opened everywhere
+  std::vector<void*> exports_;      // local segments
+  std::vector<void*> imports_;      // remote ranks' segments
+};
+
+}  // namespace
+
+std::unique_ptr<SharedGroup> make_shm_group(const std::string& channel, std::vector<int> ordinals,
+                                            const ChannelOptions& options) {
+  return std::make_unique<ShmGroup>(channel, std::move(ordinals), options);
+}
+
+}  // namespace b12x

@@ -1,0 +1,29 @@
+// The barrier step of protocol.h for one CUDA block (DESIGN C6), for kernels
+// that stage, meet and read in one launch.
+#pragma once
+
+#include "../protocol.h"
+#include "cuda_memory.cuh"
+
+namespace b12x {
+
+// Block `block` of this rank meets block `block` of every peer at `epoch`:
+// thread t serves peer t, announcing after every push of the block was
+// issued, then waiting (bounded, C8) for the peer's announcement. False when
+// a wait timed out: the channel is then poisoned, the error recorded, and the
+// whole block must return without reading staging. Every thread of the block
+// must call it.
+__device__ __forceinline__ bool block_barrier(const ChannelView& v, int block, uint32_t epoch) {
+  __shared__ int timed_out;
+  if (threadIdx.x == 0) timed_out = 0;
+  __syncthreads();  // all pushes of this block are issued before any flag
+  const int peer = threadIdx.x;
+  if (peer < v.world && peer != v.rank) {
+    arrive<CudaMem>(v, block, peer, epoch);
+    if (!wait<CudaMem>(v, block, peer, epoch, CudaMem::now_ns() + v.timeout_ns)) timed_out = 1;
+  }
+  __syncthreads();
+  return timed_out == 0;
+}
+
+}  // namespace b12x

@@ -1,0 +1,178 @@
+// DCP all-to-all merge between the GPUs of a channel: push, barrier and merge
+// in one kernel (DESIGN C5-C10), run by the protocol of protocol.h on the
+// rows and math of dcp.h.
+#include <cuda_runtime.h>
+
+#include <string>
+#include <string_view>
+
+#include "../dcp.h"
+#include "../dcp_call.h"
+#include "../protocol.h"
+#include "../registry.h"
+#include "block_barrier.cuh"
+#include "cuda_memory.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace b12x {
+namespace {
+
+constexpr int kThreads = 512;
+// Result bytes one block merges before the grid grows by another block: a
+// decode-sized call is latency-bound (one barrier whatever the size), a
+// large one wants enough blocks to keep NVLink busy.
+constexpr size_t kBytesPerBlock = 8 * 1024;
+
+// Push, meet, merge. Block b owns result rows [b * per_block, (b + 1) *
+// per_block) on every rank (same plan everywhere: the shape is static) and
+// only its own staging cells, so blocks never wait on each other.
+template <DType D>
+__global__ void __launch_bounds__(kThreads)
+    dcp_a2a_kernel(ChannelView v, DcpShape s, int per_block, const Pack* __restrict__ in,
+                   const float* __restrict__ in_lse, Pack* __restrict__ out, float* __restrict__ out_lse) {
+  if (channel_poisoned<CudaMem>(v)) return;  // a timed-out channel fails fast (C8)
+  const int block = blockIdx.x;
+  const uint32_t epoch = next_epoch<CudaMem>(v, block);
+  const int slot = epoch & 1;
+  const int row_packs = s.row_packs;
+  const int lo = block * per_block;
+  const int n = lo < s.rows() ? min(per_block, s.rows() - lo) : 0;
+  const DcpCell cell{per_block, row_packs};
+
+  // 1. Push to every peer p the rows of p's heads into this rank's cell on
+  //    p: remote stores are posted, so the merge below reads locally. A row
+  //    whose lse is not finite sends no payload: nobody reads it.
+  for (int p = 0; p < v.world; ++p) {
+    if (p == v.rank) continue;
+    char* base = v.staging[p] + v.layout.cell_offset(slot, v.rank, block);
+    Pack* payload = cell.payload(base);
+    float* lse = cell.lse(base);
+    for (int i = threadIdx.x; i < n; i += kThreads) lse[i] = in_lse[s.input_row(p, lo + i)];
+    for (int i = threadIdx.x; i < n * row_packs; i += kThreads) {
+      const int row = i / row_packs;
+      const size_t src = s.input_row(p, lo + row);
+      if (lse_finite(in_lse[src])) payload[i] = in[src * row_packs + (i - row * row_packs)];
+    }
+  }
+
+  // 2. Meet the peers (C6); on a timeout nothing staged may be read.
+  if (!block_barrier(v, block, epoch)) return;
+
+  // 3. Merge, in chunks of kThreads rows: one thread per row turns the lse
+  //    of every source into weights, then every thread merges packs. Staged
+  //    cells are read through L2 (.cg): L1 is not coherent with the peers'
+  //    writes.
+  const Pack* payload[kMaxRanks];
+  const float* lse[kMaxRanks];
+#pragma unroll
+  for (int q = 0; q < kMaxRanks; ++q) {
+    char* base = q < v.world ? v.staging[v.rank] + v.layout.cell_offset(slot, q, block) : nullptr;
+    payload[q] = q < v.world ? cell.payload(base) : nullptr;
+    lse[q] = q < v.world ? cell.lse(base) : nullptr;
+  }
+  __shared__ float scales[kThreads][kMaxRanks];
+  for (int c = 0; c < n; c += kThreads) {
+    const int m = min(kThreads, n - c);
+    if (threadIdx.x < m) {
+      const int row = c + threadIdx.x;
+      float row_lse[kMaxRanks];
+#pragma unroll
+      for (int q = 0; q < kMaxRanks; ++q) {
+        if (q < v.world) row_lse[q] = q == v.rank ? in_lse[s.input_row(v.rank, lo + row)] : __ldcg(lse[q] + row);
+      }
+      const float merged = merge_weights(row_lse, v.world, s.base2, scales[threadIdx.x]);
+      if (out_lse != nullptr) out_lse[lo + row] = merged;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < m * row_packs; i += kThreads) {
+      const int r = i / row_packs;
+      const int k = i - r * row_packs;
+      const int row = c + r;
+      const size_t own = s.input_row(v.rank, lo + row) * row_packs + k;
+      const size_t staged_at = static_cast<size_t>(row) * row_packs + k;
+      // All loads first, then the sums in rank order (C9).
+      Pack src[kMaxRanks];
+#pragma unroll
+      for (int q = 0; q < kMaxRanks; ++q) {
+        if (q < v.world && scales[r][q] != 0.0f) {
+          const uint4 w = q == v.rank ? *reinterpret_cast<const uint4*>(in + own)
+                                      : __ldcg(reinterpret_cast<const uint4*>(payload[q] + staged_at));
+          src[q] = Pack{{w.x, w.y, w.z, w.w}};
+        }
+      }
+      float acc[Elements<D>::kCount] = {};
+#pragma unroll
+      for (int q = 0; q < kMaxRanks; ++q) {
+        if (q < v.world && scales[r][q] != 0.0f) accumulate_scaled<D>(acc, src[q], scales[r][q]);
+      }
+      out[static_cast<size_t>(lo + row) * row_packs + k] = round_pack<D>(acc);
+    }
+    __syncthreads();  // the next chunk overwrites scales
+  }
+}
+
+int want_grid(const DcpShape& s) {
+  const size_t bytes = static_cast<size_t>(s.rows()) * s.row_bytes();
+  return static_cast<int>((bytes + kBytesPerBlock - 1) / kBytesPerBlock);
+}
+
+ffi::Error DcpA2aCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer lse,
+                      ffi::Result<ffi::AnyBuffer> y, ffi::RemainingRets rets, std::string_view channel_id, bool base2,
+                      bool return_lse) {
+  const RankHandle handle = Registry::get().find(Platform::kCuda, channel_id, ordinal);
+  if (!handle) return ffi::Error::InvalidArgument(unprepared_message("dcp_a2a", channel_id, ordinal));
+  // A timeout recorded by an earlier call (also one replayed from a CUDA
+  // graph) surfaces here, without a sync: the record is in mapped host memory.
+  const std::string earlier = pending_error(*handle.group, handle.rank);
+  if (!earlier.empty()) return ffi::Error::Internal(earlier);
+  const ChannelView& v = handle.view();
+  DcpShape s{};
+  const std::string problem = dcp_call_shape(x, lse, rets.size(), return_lse, v, base2, s);
+  if (!problem.empty()) return ffi::Error::InvalidArgument(problem);
+  const DcpPlan plan = plan_dcp(s, v.layout, want_grid(s));
+  if (plan.grid == 0) return ffi::Error::InvalidArgument(dcp_capacity_message(s, v.layout));
+  float* out_lse = nullptr;
+  if (return_lse) {
+    auto lse_out = rets.get<ffi::AnyBuffer>(0);
+    if (!lse_out.has_value()) return lse_out.error();
+    out_lse = static_cast<float*>((*lse_out)->untyped_data());
+  }
+  const auto* in = static_cast<const Pack*>(x.untyped_data());
+  const auto* in_lse = static_cast<const float*>(lse.untyped_data());
+  auto* out = static_cast<Pack*>(y->untyped_data());
+  if (handle.group->options().poison_outputs) {  // NaN everywhere: a row the kernel misses shows up
+    cudaMemsetAsync(out, 0xFF, y->size_bytes(), stream);
+    if (out_lse != nullptr) cudaMemsetAsync(out_lse, 0xFF, static_cast<size_t>(s.rows()) * sizeof(float), stream);
+  }
+  if (x.element_type() == ffi::DataType::BF16) {
+    dcp_a2a_kernel<DType::kBF16><<<plan.grid, kThreads, 0, stream>>>(v, s, plan.per_block, in, in_lse, out, out_lse);
+  } else {
+    dcp_a2a_kernel<DType::kF16><<<plan.grid, kThreads, 0, stream>>>(v, s, plan.per_block, in, in_lse, out, out_lse);
+  }
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return ffi::Error::Internal(std::string("b12x_jax.dcp_a2a: kernel launch failed: ") + cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace b12x
+
+// Command-buffer compatible (C5): the handler only launches on its stream
+// and the kernel reads and advances the epoch in device memory, so a CUDA
+// graph replay is a correct call.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_dcp_a2a_cuda, b12x::DcpA2aCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // out [B, H, D]
+                                  .Arg<xla::ffi::AnyBuffer>()  // lse [B, H], float32
+                                  .Ret<xla::ffi::AnyBuffer>()  // merged out [B, H/N, D]
+                                  .RemainingRets()             // merged lse [B, H/N], when asked for
+                                  .Attr<std::string_view>("channel_id")
+                                  .Attr<bool>("base2")
+                                  .Attr<bool>("return_lse"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

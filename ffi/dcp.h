@@ -1,0 +1,130 @@
+// The DCP merge (DESIGN §1), shared by the CPU and CUDA backends: which rows
+// a rank sends where, how they sit in a staging cell, and the merge math.
+//
+// Rank r holds out [B, H, D] and lse [B, H] over its KV shard, for all heads;
+// destination p owns heads [p*H/N, (p+1)*H/N). Row i = b*(H/N) + j of p's
+// result is head p*H/N + j of batch b. Every rank sends p the rows of p's
+// heads, p merges the N versions of each row.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "channel.h"
+#include "numeric.h"
+
+namespace b12x {
+
+// The static shape of one call, equal on every rank.
+struct DcpShape {
+  int batch;
+  int heads;      // H: all heads, as held by every source
+  int world;      // N
+  int row_packs;  // D * itemsize / 16: one row of out in 16-byte packs
+  bool base2;     // lse is log2-sum-exp2 instead of ln-sum-exp
+
+  B12X_HD int shard_heads() const { return heads / world; }
+  // Rows of each rank's result, [B, H/N] flattened.
+  B12X_HD int rows() const { return batch * shard_heads(); }
+  B12X_HD size_t row_bytes() const { return static_cast<size_t>(row_packs) * kPackBytes; }
+  // Row of the [B*H] input that holds row `row` of destination `dest`.
+  B12X_HD size_t input_row(int dest, int row) const {
+    const int hn = shard_heads();
+    return static_cast<size_t>(row / hn) * heads + static_cast<size_t>(dest) * hn + row % hn;
+  }
+};
+
+// One staging cell of the DCP exchange, for a block that owns `rows` rows:
+// the rows' payloads, then their lse. The payload comes first so every pack
+// stays 16-byte aligned (cells are, and a row is a whole number of packs).
+struct DcpCell {
+  int rows;
+  int row_packs;
+
+  B12X_HD static size_t bytes_per_row(int row_packs) { return row_packs * kPackBytes + sizeof(float); }
+  B12X_HD size_t bytes() const { return rows * bytes_per_row(row_packs); }
+  B12X_HD Pack* payload(char* cell) const { return reinterpret_cast<Pack*>(cell); }
+  B12X_HD float* lse(char* cell) const {
+    return reinterpret_cast<float*>(cell + static_cast<size_t>(rows) * row_packs * kPackBytes);
+  }
+};
+
+// How a call spreads its rows over blocks: block b owns rows
+// [b * per_block, min((b + 1) * per_block, rows)) on every rank, and stages
+// them in its own cell (channel.h: the reuse argument holds block by block).
+struct DcpPlan {
+  int grid;       // 0: the rows do not fit the channel's staging
+  int per_block;
+};
+
+// The plan with `want_grid` blocks, clamped to the rows and to the
+// channel's blocks, or more where a cell would overflow. Depends only on the
+// shape and the layout, so every rank gets the same grid (C6).
+B12X_HD DcpPlan plan_dcp(const DcpShape& s, const StagingLayout& layout, int want_grid) {
+  const size_t rows = static_cast<size_t>(s.rows());
+  const size_t fit = layout.block_bytes / DcpCell::bytes_per_row(s.row_packs);  // rows per cell
+  if (fit == 0) return {0, 0};
+  const size_t need = (rows + fit - 1) / fit;
+  size_t grid = want_grid > 0 ? static_cast<size_t>(want_grid) : 1;
+  if (grid > rows) grid = rows;
+  if (grid > static_cast<size_t>(layout.max_blocks)) grid = layout.max_blocks;
+  if (grid < need) grid = need;
+  if (grid < 1) grid = 1;
+  if (grid > static_cast<size_t>(layout.max_blocks)) return {0, 0};
+  const int g = static_cast<int>(grid);
+  return {g, static_cast<int>((rows + grid - 1) / grid)};  // <= fit, since grid >= rows / fit
+}
+
+// A source contributes only if its lse is finite: -inf marks an empty KV
+// shard or a padded row, and NaN or +inf are treated the same way, so a
+// payload of such a row is never read (it may hold anything, NaN included).
+B12X_HD bool lse_finite(float lse) { return (f32_bits(lse) & 0x7f800000u) != 0x7f800000u; }
+
+B12X_HD float lse_exp(float x, bool base2) {
+#if defined(__CUDA_ARCH__)
+  return base2 ? exp2f(x) : expf(x);
+#else
+  return base2 ? std::exp2(x) : std::exp(x);
+#endif
+}
+
+B12X_HD float lse_log(float x, bool base2) {
+#if defined(__CUDA_ARCH__)
+  return base2 ? log2f(x) : logf(x);
+#else
+  return base2 ? std::log2(x) : std::log(x);
+#endif
+}
+
+B12X_HD float negative_infinity() { return bits_f32(0xff800000u); }
+
+// The weights of one row: scale[q] = w_q / sum_s w_s with w_q =
+// exp(lse_q - max lse), 0 where source q does not contribute (its payload
+// must then not be read). Returns the merged lse, m + log(sum w); -inf and
+// every scale 0 when no source contributes. Sources in rank order (C9).
+B12X_HD float merge_weights(const float* lse, int world, bool base2, float* scale) {
+  float m = negative_infinity();
+  for (int q = 0; q < world; ++q) {
+    if (lse_finite(lse[q]) && lse[q] > m) m = lse[q];
+  }
+  float sum = 0.0f;
+  for (int q = 0; q < world; ++q) {
+    scale[q] = lse_finite(lse[q]) ? lse_exp(lse[q] - m, base2) : 0.0f;
+    sum += scale[q];
+  }
+  if (sum == 0.0f) return negative_infinity();  // every source empty: output 0
+  for (int q = 0; q < world; ++q) scale[q] /= sum;
+  return m + lse_log(sum, base2);
+}
+
+// acc[i] += scale * element i of `src`, in fp32.
+template <DType D>
+B12X_HD void accumulate_scaled(float* acc, const Pack& src, float scale) {
+#if defined(__CUDACC__)
+#pragma unroll
+#endif
+  for (int i = 0; i < Elements<D>::kCount; ++i) acc[i] += scale * Elements<D>::get(src, i);
+}
+
+}  // namespace b12x

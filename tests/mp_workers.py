@@ -1,0 +1,257 @@
+"""Worker processes of the multi-process tests: one device per process,
+``jax.distributed`` on 127.0.0.1 (DESIGN §3, C4, C11).
+
+Run as ``python tests/mp_workers.py MODE --process-id I --num-processes N
+--port P [--platform cpu|gpu]``; every process prints one line ``RESULT
+<json>`` and exits 0 when its own checks passed. The test
+(tests/test_multiprocess.py, through conftest's ``multiprocess`` fixture)
+compares the results across processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+
+def _setup(args) -> None:
+  if args.platform == "cpu":
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+  import jax
+  if args.platform == "cpu":
+    # psum across CPU processes (the comparison and the fallback path) needs
+    # a cross-process collectives backend on jax 0.11.2.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes, process_id=args.process_id,
+                             local_device_ids=[args.process_id] if args.platform == "gpu" else None,
+                             initialization_timeout=60)
+
+
+def _mesh():
+  import jax
+  return jax.make_mesh((jax.device_count(),), ("x",))
+
+
+def _reducer(mesh, op):
+  import jax
+  from jax.sharding import PartitionSpec as P
+  return jax.jit(jax.shard_map(lambda x: op(x, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+
+def _run(fn, mesh, shards):
+  """Runs ``fn`` on the global [n, elems] ``shards`` (every process holds all
+  of them, from one seed) and returns this process's output row."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  me = jax.process_index()
+  x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), shards[me])
+  return np.asarray(fn(x).addressable_shards[0].data)
+
+
+def _check(fn, mesh, rng, elems, dtype_name, roundings=1) -> str:
+  """One call on fresh shards, checked against float64 here; returns the
+  hash of this process's output bits, for the test to compare."""
+  import jax
+  from helpers import DTYPES, assert_sum_matches, random_shards
+  shards = random_shards(rng, jax.device_count(), elems, DTYPES[dtype_name])
+  got = _run(fn, mesh, shards)
+  assert_sum_matches(got[None], shards, dtype_name, roundings)
+  return hashlib.sha256(got.tobytes()).hexdigest()
+
+
+def _mapped_shm() -> list[str]:
+  """Shared-memory segments of b12x_jax this process maps or has left in /dev/shm."""
+  with open("/proc/self/maps") as f:
+    mapped = [line.split()[-1] for line in f if "/b12x." in line]
+  left = [n for n in os.listdir("/dev/shm") if n.startswith(f"b12x.{os.getpid()}.")]
+  return mapped + left
+
+
+# -- modes -----------------------------------------------------------------------
+
+
+def all_reduce_mode(args) -> dict:
+  """all_reduce across processes, several sizes and dtypes, both slots; psum
+  on the same inputs for comparison."""
+  import jax
+  import numpy as np
+
+  import b12x_jax
+  from helpers import DTYPES
+  mesh = _mesh()
+  ours, psum = _reducer(mesh, b12x_jax.all_reduce), _reducer(mesh, jax.lax.psum)
+  rng = np.random.default_rng(0)  # the same shards in every process
+  hashes = {}
+  with b12x_jax.channel("mp"):
+    for dtype_name, nbytes in [("float32", 16), ("bfloat16", 4096), ("float16", 65536), ("float32", 1 << 20)]:
+      elems = nbytes // np.dtype(DTYPES[dtype_name]).itemsize
+      hashes[f"{dtype_name}/{nbytes}"] = [_check(ours, mesh, rng, elems, dtype_name) for _ in range(2)]
+      assert b12x_jax.get_communicator().decisions[-1].path == "b12x"
+    _check(psum, mesh, rng, 256, "float32", roundings=jax.device_count())
+  stats = b12x_jax.get_communicator().stats("mp", jax.local_devices()[0])
+  b12x_jax.check_errors()
+  return {"hashes": hashes, "rank": stats["rank"], "world": stats["world"], "epoch": stats["epoch"]}
+
+
+def order_mode(args) -> dict:
+  """Channels requested in a different order on each process still pair by name."""
+  import jax
+  import numpy as np
+
+  import b12x_jax
+  mesh = _mesh()
+  names = ["beta", "alpha", "gamma"]
+  order = names if jax.process_index() % 2 == 0 else names[::-1]
+  comm = b12x_jax.get_communicator()
+  comm.prepare(mesh, "x", channels=order)
+  ours = _reducer(mesh, b12x_jax.all_reduce)
+  rng = np.random.default_rng(1)
+  hashes = {}
+  for name in order:  # also used in different orders: each channel has its own counters
+    with b12x_jax.channel(name):
+      hashes[name] = _check(ours, mesh, rng, 64 + len(name) * 16, "float32")
+  return {"hashes": hashes, "prepared": sorted(comm.prepared_channels()),
+          "epochs": {n: comm.stats(n, jax.local_devices()[0])["epoch"] for n in names}}
+
+
+def failed_prepare_mode(args) -> dict:
+  """A failure on one process, at allocation and then at opening, makes every
+  process raise with nothing left mapped; then the channel prepares fine."""
+  import jax
+  import numpy as np
+
+  import b12x_jax
+  from b12x_jax import _native
+  mesh = _mesh()
+  comm = b12x_jax.get_communicator()
+  me = jax.process_index()
+  errors = {}
+  for step, target, victim in [("allocated", "share", 0), ("opened", "open_peer", 1)]:
+    original = getattr(_native, target)
+
+    def injected(*a, _step=step, **k):
+      raise b12x_jax.TransportError(f"injected failure at {_step}")
+
+    if me == victim:
+      setattr(_native, target, injected)
+    try:
+      comm.prepare(mesh, "x", channels=["doomed"])
+    except b12x_jax.TransportError as e:
+      errors[step] = str(e)
+    finally:
+      setattr(_native, target, original)
+    assert "doomed" not in comm.prepared_channels()
+    assert not _mapped_shm(), _mapped_shm()
+  with b12x_jax.channel("doomed"):
+    value = _check(_reducer(mesh, b12x_jax.all_reduce), mesh, np.random.default_rng(2), 64, "float32")
+  return {"errors": errors, "hash": value}
+
+
+def never_joins_mode(args) -> dict:
+  """Process 1 never prepares: process 0 gets the timeout error, in time."""
+  import jax
+
+  import b12x_jax
+  if jax.process_index() == 1:
+    time.sleep(args.setup_timeout + 2)
+    return {"joined": False}
+  b12x_jax.set_communicator(b12x_jax.Communicator(setup_timeout_s=args.setup_timeout))
+  start = time.monotonic()
+  try:
+    b12x_jax.get_communicator().prepare(_mesh(), "x", channels=["alone"])
+    message = None
+  except b12x_jax.CollectiveTimeoutError as e:
+    message = str(e)
+  return {"message": message, "seconds": time.monotonic() - start, "mapped": _mapped_shm()}
+
+
+def close_twice_mode(args) -> dict:
+  import numpy as np
+
+  import b12x_jax
+  mesh = _mesh()
+  comm = b12x_jax.get_communicator()
+  with b12x_jax.channel("closing"):
+    _check(_reducer(mesh, b12x_jax.all_reduce), mesh, np.random.default_rng(3), 64, "float32")
+  comm.close()
+  comm.close()
+  return {"closed": comm.closed, "prepared": sorted(comm.prepared_channels()), "mapped": _mapped_shm()}
+
+
+def throwaway_mode(args) -> dict:
+  """A throwaway channel is released after success and after failure, and
+  prepared again later under the same name."""
+  import jax
+  import numpy as np
+
+  import b12x_jax
+  mesh = _mesh()
+  comm = b12x_jax.get_communicator()
+  ours = _reducer(mesh, b12x_jax.all_reduce)
+  rng = np.random.default_rng(4)
+  with comm.throwaway("profile"):
+    _check(ours, mesh, rng, 64, "float32")
+  after_success = sorted(comm.prepared_channels())
+  failure = None
+  try:
+    with comm.throwaway("profile"):
+      comm.prepare(mesh, "x", channels=["profile"])  # the cached executable lowers no more: prepare it
+      _check(ours, mesh, rng, 64, "float32")
+      raise RuntimeError("profiling failed")
+  except RuntimeError as e:
+    failure = str(e)
+  after_failure = sorted(comm.prepared_channels())
+  comm.prepare(mesh, "x", channels=["profile"])
+  with b12x_jax.channel("profile"):
+    value = _check(ours, mesh, rng, 64, "float32")
+  epoch = comm.stats("profile", jax.local_devices()[0])["epoch"]
+  return {"after_success": after_success, "failure": failure, "after_failure": after_failure, "hash": value,
+          "epoch": epoch}
+
+
+def exit_pending_mode(args) -> dict:
+  """Dispatch work and exit without close(): the exit hook waits for it and
+  releases collectively before jax.distributed shuts down."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  mesh = _mesh()
+  ours = _reducer(mesh, b12x_jax.all_reduce)
+  x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), np.ones(256, np.float32))
+  with b12x_jax.channel("pending"):
+    ours(x)  # not waited for
+  return {"dispatched": True}
+
+
+MODES = {"all_reduce": all_reduce_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
+         "never_joins": never_joins_mode, "close_twice": close_twice_mode, "throwaway": throwaway_mode,
+         "exit_pending": exit_pending_mode}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("mode", choices=sorted(MODES))
+  parser.add_argument("--process-id", type=int, required=True)
+  parser.add_argument("--num-processes", type=int, required=True)
+  parser.add_argument("--port", type=int, required=True)
+  parser.add_argument("--platform", default="cpu", choices=["cpu", "gpu"])
+  parser.add_argument("--setup-timeout", type=float, default=3.0)
+  args = parser.parse_args()
+  sys.path.insert(0, os.path.dirname(__file__))
+  _setup(args)
+  result = MODES[args.mode](args)
+  print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+  main()
