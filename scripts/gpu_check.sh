@@ -34,6 +34,9 @@ echo "== speculative decoding (target hidden 4096, bf16)"
 $PY examples/speculative_decoding.py --hidden 4096 --heads 32 --vocab 32000 --layers 4 --draft-layers 1 \
   --dtype bfloat16 --new-tokens 128 2>&1 | grep -v "^W\|^I" | tail -8
 
+echo "== dcp decode (B 8, H 32, D 128, 8192 cached positions, bf16)"
+$PY examples/dcp_decode.py --batch 8 --heads 32 --head-dim 128 --kv-len 8192 2>&1 | grep -v "^W\|^I" | tail -6
+
 echo "== command-buffer capture: 8 chained b12x all-reduces, 8 chained dispatch probes"
 dump=/tmp/b12x_xla_dump; rm -rf "$dump"
 TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2,command_buffer_thunk=3 \
@@ -49,6 +52,19 @@ done | head -8
 
 echo "== benchmark"
 $PY benchmarks/all_reduce.py --json "$OUT/all_reduce.json" 2>&1 | tee "$OUT/bench.log" | grep -v "^W\|^I"
+
+echo "== dcp_a2a benchmark"
+$PY benchmarks/dcp_a2a.py --json "$OUT/dcp_a2a.json" 2>&1 | tee "$OUT/dcp_bench.log" | grep -v "^W\|^I"
+
+# ---- one process per GPU (jax.distributed, CUDA IPC): 2 processes, one GPU each ----
+echo "== multi-process GPU tests"
+$PY -m pytest tests/gpu/test_multiprocess_gpu.py -m gpu -x -q -p no:cacheprovider 2>&1 | tee "$OUT/mp_gpu_tests.log" | tail -25
+mp_tests_rc=${PIPESTATUS[0]}
+echo "== multi-process benchmark (b12x vs psum across 2 processes)"
+$PY benchmarks/all_reduce_multiprocess.py --json "$OUT/all_reduce_multiprocess.json" 2>&1 \
+  | tee "$OUT/bench_mp.log" | grep -v "^W\|^I"
+echo "multi-process gpu tests rc=$mp_tests_rc"
+[ "$tests_rc" -eq 0 ] && tests_rc=$mp_tests_rc
 
 echo "== summary: gpu tests rc=$tests_rc"
 exit $tests_rc

@@ -9,6 +9,7 @@
 #include "../numeric.h"
 #include "../protocol.h"
 #include "../registry.h"
+#include "block_barrier.cuh"
 #include "cuda_memory.cuh"
 #include "lamport.cuh"
 #include "xla/ffi/api/ffi.h"
@@ -57,17 +58,8 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  // 2. Barrier: thread t serves peer t (C6).
-  __shared__ int timed_out;
-  if (threadIdx.x == 0) timed_out = 0;
-  __syncthreads();  // all pushes of this block are issued before any flag
-  const int peer = threadIdx.x;
-  if (peer < v.world && peer != v.rank) {
-    arrive<CudaMem>(v, block, peer, epoch);
-    if (!wait<CudaMem>(v, block, peer, epoch, CudaMem::now_ns() + v.timeout_ns)) timed_out = 1;
-  }
-  __syncthreads();
-  if (timed_out) return;
+  // 2. Meet the peers (C6); on a timeout nothing staged may be read.
+  if (!block_barrier(v, block, epoch)) return;
 
   // 3. Reduce the sources in rank order (C9). Staged cells are read through
   //    L2 (.cg): L1 is not coherent with the peers' writes.
