@@ -58,7 +58,7 @@ $PY benchmarks/dcp_a2a.py --json "$OUT/dcp_a2a.json" 2>&1 | tee "$OUT/dcp_bench.
 
 # ---- one process per GPU (jax.distributed, CUDA IPC): 2 processes, one GPU each ----
 echo "== multi-process GPU tests"
-$PY -m pytest tests/gpu/test_multiprocess_gpu.py -m gpu -x -q -p no:cacheprovider 2>&1 | tee "$OUT/mp_gpu_tests.log" | tail -25
+$PY -m pytest tests/test_multiprocess_gpu.py -m gpu -x -q -p no:cacheprovider 2>&1 | tee "$OUT/mp_gpu_tests.log" | tail -25
 mp_tests_rc=${PIPESTATUS[0]}
 echo "== multi-process benchmark (b12x vs psum across 2 processes)"
 $PY benchmarks/all_reduce_multiprocess.py --json "$OUT/all_reduce_multiprocess.json" 2>&1 \

@@ -38,6 +38,49 @@ def run_worker(*args: str, hard_timeout: float = 120.0) -> dict:
   raise AssertionError(f"worker {args} exited {proc.returncode} without a result:\n{proc.stderr[-3000:]}")
 
 
+MP_WORKERS = os.path.join(os.path.dirname(__file__), "mp_workers.py")
+
+
+def _free_port() -> int:
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture
+def multiprocess():
+  """Runs one tests/mp_workers.py MODE per process, ``n`` processes joined by
+  ``jax.distributed`` on 127.0.0.1, one device each; kills every one still
+  running after ``hard_timeout`` seconds, and returns their RESULTs in
+  process order (asserting each exited 0 with one)."""
+  def run(mode: str, n: int = 2, *args: str, platform: str = "cpu", hard_timeout: float = 120.0) -> list[dict]:
+    port = str(_free_port())
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not this process's 4 emulated devices
+    procs = [subprocess.Popen([sys.executable, MP_WORKERS, mode, "--process-id", str(i), "--num-processes", str(n),
+                               "--port", port, "--platform", platform, *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for i in range(n)]
+    outputs, timed_out = [], False
+    for proc in procs:
+      try:
+        outputs.append(proc.communicate(timeout=max(1.0, hard_timeout)))
+      except subprocess.TimeoutExpired:
+        timed_out = True
+        for p in procs:
+          p.kill()
+        outputs.append(proc.communicate())
+    for p in procs[len(outputs):]:
+      outputs.append(p.communicate())
+    results = []
+    for i, (proc, (out, err)) in enumerate(zip(procs, outputs)):
+      lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+      assert not timed_out and proc.returncode == 0 and lines, \
+          f"process {i} of {mode}: rc={proc.returncode} timed_out={timed_out}\n{err[-3000:]}"
+      results.append(json.loads(lines[0][len("RESULT "):]))
+    return results
+  return run
+
+
 @pytest.fixture
 def cpu_mesh():
   """A factory of 1-D meshes of n emulated CPU devices on axis 'x'."""

@@ -114,7 +114,7 @@ def order_mode(args) -> dict:
   ours = _reducer(mesh, b12x_jax.all_reduce)
   rng = np.random.default_rng(1)
   hashes = {}
-  for name in order:  # also used in different orders: each channel has its own counters
+  for name in names:  # run in one order everywhere: a process dispatches its executables in order (C13)
     with b12x_jax.channel(name):
       hashes[name] = _check(ours, mesh, rng, 64 + len(name) * 16, "float32")
   return {"hashes": hashes, "prepared": sorted(comm.prepared_channels()),
