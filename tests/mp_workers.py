@@ -100,6 +100,40 @@ def all_reduce_mode(args) -> dict:
   return {"hashes": hashes, "rank": stats["rank"], "world": stats["world"], "epoch": stats["epoch"]}
 
 
+def dcp_mode(args) -> dict:
+  """dcp_a2a across processes: each process feeds its own KV shard's partial
+  attention and checks its head shard of the merge against full attention
+  in float64 (an empty shard with NaN payload included), on both slots."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  from helpers import RTOL, attention_shards
+  mesh = _mesh()
+  n, me = jax.device_count(), jax.process_index()
+  fn = jax.jit(jax.shard_map(lambda o, l: b12x_jax.dcp_a2a(o, l, "x", return_lse=True), mesh=mesh,
+                             in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x"))))
+  rng = np.random.default_rng(0)  # the same shards in every process
+  heads = 4 * n
+  mine = slice(me * heads // n, (me + 1) * heads // n)
+  with b12x_jax.channel("mp_dcp"):
+    for _ in range(2):
+      outs, lses, want, want_lse = attention_shards(rng, n, 3, heads, 16, jnp.bfloat16, empty=((0, 0, 0),))
+      o, l = (jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), a[me]) for a in (outs, lses))
+      got, got_lse = (np.asarray(r.addressable_shards[0].data, np.float64) for r in fn(o, l))
+      row_scale = np.nan_to_num(np.abs(outs.astype(np.float64)), nan=0.0).max(axis=(0, -1))[:, mine]
+      assert np.all(np.isfinite(got)), "non-finite output"
+      err = np.abs(got - want[:, mine]).max(axis=-1)
+      assert np.all(err <= 2 * RTOL["bfloat16"] * row_scale + 1e-6), f"error {err.max()}"
+      np.testing.assert_allclose(got_lse, want_lse[:, mine], rtol=1e-5, atol=1e-5)
+  assert b12x_jax.get_communicator().decisions[-1].path == "b12x"
+  b12x_jax.check_errors()
+  return {"rank": me, "epoch": b12x_jax.get_communicator().stats("mp_dcp", jax.local_devices()[0])["epoch"]}
+
+
 def order_mode(args) -> dict:
   """Channels requested in a different order on each process still pair by name."""
   import jax
@@ -233,7 +267,7 @@ def exit_pending_mode(args) -> dict:
   return {"dispatched": True}
 
 
-MODES = {"all_reduce": all_reduce_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
+MODES = {"all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
          "never_joins": never_joins_mode, "close_twice": close_twice_mode, "throwaway": throwaway_mode,
          "exit_pending": exit_pending_mode}
 

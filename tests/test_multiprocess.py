@@ -15,6 +15,11 @@ def test_all_reduce_across_processes_matches_float64_with_identical_bits(multipr
   assert {r["epoch"] for r in results} == {8}
 
 
+def test_dcp_a2a_across_processes_matches_full_attention(multiprocess):
+  results = multiprocess("dcp")
+  assert [r["rank"] for r in results] == [0, 1] and {r["epoch"] for r in results} == {2}
+
+
 def test_channels_requested_in_different_orders_still_pair_by_name(multiprocess):
   results = multiprocess("order")
   assert results[0]["hashes"] == results[1]["hashes"]

@@ -20,6 +20,11 @@ def test_all_reduce_across_gpu_processes_matches_float64_with_identical_bits(mul
   assert {r["epoch"] for r in results} == {8}
 
 
+def test_dcp_a2a_across_gpu_processes_matches_full_attention(multiprocess):
+  results = multiprocess("dcp", platform="gpu", hard_timeout=300)
+  assert [r["rank"] for r in results] == [0, 1] and {r["epoch"] for r in results} == {2}
+
+
 def test_channels_requested_in_different_orders_pair_by_name_on_gpus(multiprocess):
   results = multiprocess("order", platform="gpu", hard_timeout=300)
   assert results[0]["hashes"] == results[1]["hashes"]
