@@ -257,7 +257,9 @@ class Communicator:
 
   def release(self, channel: str) -> None:
     """Frees ``channel`` on every platform after the work queued on it is done;
-    it can be prepared again later under the same name.
+    it can be prepared again later under the same name. CUDA groups wait for
+    their devices; the CPU backend does not wait for calls still queued on
+    its progress thread: block on their results before releasing.
 
     Where the channel is shared between processes this is collective
     (rendezvous.release_shared: barrier, close imports, barrier, free): call
