@@ -4,6 +4,7 @@ b12x_jax errors."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import jax
@@ -45,14 +46,41 @@ def _has_gpu_backend() -> bool:
     return False
 
 
-def prepare(platform: str, channel: str, ordinals: list[int], *, capacity_bytes: int, lamport_bytes: int,
-            timeout_s: float, max_blocks: int | None, poison_outputs: bool) -> None:
-  """Allocates ``channel`` for one group. A CUDA group's peer access is
-  probed first (once per group); a failed probe raises TransportError.
-  The host backend has no Lamport exchange and ignores ``lamport_bytes``."""
+def channel_options(*, capacity_bytes: int, lamport_bytes: int, timeout_s: float, max_blocks: int | None,
+                    poison_outputs: bool):
+  """The native ChannelOptions every transport is prepared with. The Lamport
+  window never exceeds the capacity; max_blocks None means "as many as fit"."""
+  options = _b12x.ChannelOptions()
+  options.capacity_bytes = capacity_bytes
+  options.lamport_bytes = min(lamport_bytes, capacity_bytes)
+  options.timeout_s = timeout_s
+  options.max_blocks = max_blocks or 0
+  options.poison_outputs = poison_outputs
+  return options
+
+
+@contextlib.contextmanager
+def _native_errors(what: str):
+  """Native failures as b12x_jax errors: invalid settings (nanobind maps
+  std::invalid_argument to ValueError) as ChannelError, the rest as
+  TransportError saying ``what`` failed."""
   try:
+    yield
+  except ValueError as e:
+    raise ChannelError(str(e)) from None
+  except RuntimeError as e:
+    if isinstance(e, TransportError):
+      raise
+    raise TransportError(f"b12x_jax: {what} failed: {e}") from None
+
+
+def prepare(platform: str, channel: str, ordinals: list[int], options) -> None:
+  """Allocates ``channel`` for one group with ``options`` (channel_options).
+  A CUDA group's peer access is probed first (once per group); a failed
+  probe raises TransportError."""
+  with _native_errors(f"preparing channel {channel!r} on {platform} devices {ordinals}"):
     if platform == "cpu":
-      _b12x.prepare_host(channel, ordinals, capacity_bytes, timeout_s, poison_outputs)
+      _b12x.prepare_host(channel, ordinals, options)
     elif platform == "cuda":
       group = tuple(ordinals)
       if group not in _probed:
@@ -60,39 +88,22 @@ def prepare(platform: str, channel: str, ordinals: list[int], *, capacity_bytes:
         if problem:
           raise TransportError(f"peer access between GPUs {ordinals} does not work: {problem}")
         _probed.add(group)
-      _b12x.prepare_cuda(channel, ordinals, capacity_bytes, min(lamport_bytes, capacity_bytes), timeout_s,
-                         max_blocks or 0, poison_outputs)
+      _b12x.prepare_cuda(channel, ordinals, options)
     else:
       raise TransportError(f"no b12x backend for platform {platform!r}")
-  except ValueError as e:  # nanobind maps std::invalid_argument to ValueError
-    raise ChannelError(str(e)) from None
-  except RuntimeError as e:
-    if isinstance(e, TransportError):
-      raise
-    raise TransportError(f"b12x_jax: preparing channel {channel!r} on {platform} devices {ordinals} failed: {e}") \
-        from None
 
 
-def share(platform: str, channel: str, ordinals: list[int], *, capacity_bytes: int, lamport_bytes: int,
-          timeout_s: float, max_blocks: int | None, poison_outputs: bool):
+def share(platform: str, channel: str, ordinals: list[int], options):
   """Allocates, zero-fills and exports this process's ranks of a channel
   shared with other processes (``ordinals[r]`` is -1 for a rank another
   process holds): POSIX shared memory on CPU, CUDA IPC on GPUs. Returns the
   native PendingGroup that rendezvous steps drive to install or free."""
-  try:
+  with _native_errors(f"allocating channel {channel!r} on {platform} devices {ordinals} for other processes"):
     if platform == "cpu":
-      return _b12x.share_host(channel, ordinals, capacity_bytes, timeout_s, poison_outputs)
+      return _b12x.share_host(channel, ordinals, options)
     if platform == "cuda":
-      return _b12x.share_cuda(channel, ordinals, capacity_bytes, min(lamport_bytes, capacity_bytes), timeout_s,
-                              max_blocks or 0, poison_outputs)
+      return _b12x.share_cuda(channel, ordinals, options)
     raise TransportError(f"no b12x backend for platform {platform!r}")
-  except ValueError as e:
-    raise ChannelError(str(e)) from None
-  except RuntimeError as e:
-    if isinstance(e, TransportError):
-      raise
-    raise TransportError(f"b12x_jax: allocating channel {channel!r} on {platform} devices {ordinals} for other "
-                         f"processes failed: {e}") from None
 
 
 def open_peer(pending, rank: int, exported: bytes) -> None:

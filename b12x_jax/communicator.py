@@ -217,15 +217,16 @@ class Communicator:
         return
       if len({d.id for d in group}) != len(group):
         raise ChannelError(f"b12x_jax: device group {[d.id for d in group]} names a device twice")
-      options = dict(capacity_bytes=self.capacity_bytes, lamport_bytes=self.lamport_bytes,
-                     timeout_s=self.timeout_s, max_blocks=self.max_blocks, poison_outputs=self.poison_outputs)
+      options = _native.channel_options(capacity_bytes=self.capacity_bytes, lamport_bytes=self.lamport_bytes,
+                                        timeout_s=self.timeout_s, max_blocks=self.max_blocks,
+                                        poison_outputs=self.poison_outputs)
       processes = {d.process_index for d in group}
       if len(processes) == 1:
-        _native.prepare(platform, channel, list(ordinals), **options)
+        _native.prepare(platform, channel, list(ordinals), options)
       else:
         group_key = "-".join(str(d.id) for d in group)  # global ids: the same name in every process
-        rendezvous.prepare_shared(platform, channel, group_key, processes, list(ordinals), self.setup_timeout_s,
-                                  **options)
+        rendezvous.prepare_shared(platform, channel, group_key, processes, list(ordinals), options,
+                                  self.setup_timeout_s)
         self._shared.setdefault((platform, channel), set()).update(processes)
       self._groups.setdefault((platform, channel), []).append(ordinals)
 

@@ -134,7 +134,7 @@ _kept: list = []
 
 
 def prepare_shared(platform: str, channel: str, group_key: str, processes: Sequence[int], ordinals: list[int],
-                   setup_timeout_s: float, **options) -> None:
+                   options, setup_timeout_s: float) -> None:
   """Prepares this process's ranks of a channel group that spans
   ``processes`` (``ordinals[r]`` is -1 for a rank another process holds),
   collectively, in three steps, each ending with a verdict:
@@ -147,10 +147,10 @@ def prepare_shared(platform: str, channel: str, group_key: str, processes: Seque
                peer still maps; then free and raise.
 
   On success the group is installed and handlers find it. Each step waits
-  at most ``setup_timeout_s`` for the peers; ``options`` are
-  ``_native.share``'s."""
+  at most ``setup_timeout_s`` for the peers; ``options`` are a
+  native ChannelOptions (``_native.channel_options``)."""
   session = Session(f"prepare/{platform}/{channel}/{group_key}", processes, setup_timeout_s)
-  pending, problem = _attempt(lambda: _native.share(platform, channel, ordinals, **options))
+  pending, problem = _attempt(lambda: _native.share(platform, channel, ordinals, options))
   own = None
   try:
     if pending is not None:

@@ -22,7 +22,8 @@ import json
 import os
 import subprocess
 import sys
-import time
+
+from _common import gpu_count, per_op_us, size_label
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20, 32 << 20]
 ONESHOT_FLAG = "--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE"
@@ -37,13 +38,12 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 def measure(impls: list[str], sizes: list[int], ops: int, iters: int, devices: int) -> dict:
   import jax
   import jax.numpy as jnp
-  import numpy as np
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   import b12x_jax
 
-  platform = "gpu" if _gpus() >= 2 else "cpu"
+  platform = "gpu" if gpu_count() >= 2 else "cpu"
   mesh = jax.make_mesh((devices,), ("x",), devices=jax.devices(platform)[:devices])
   results: dict = {}
   for impl in impls:
@@ -62,15 +62,9 @@ def measure(impls: list[str], sizes: list[int], ops: int, iters: int, devices: i
       elems = size // 2
       x = jax.device_put(jnp.ones((devices * elems,), jnp.bfloat16) * 1e-3, NamedSharding(mesh, P("x")))
       with b12x_jax.channel("bench"):
-        for _ in range(5):  # compile, then let the clocks ramp up
-          fn(x).block_until_ready()
-        times = []
-        for _ in range(iters):
-          start = time.perf_counter()
-          fn(x).block_until_ready()
-          times.append(time.perf_counter() - start)
+        us = per_op_us(lambda: fn(x), ops, iters)
       path = b12x_jax.get_communicator().decisions[-1].path if impl.startswith("b12x") else impl
-      results.setdefault(str(size), {})[impl] = {"us": float(np.median(times)) / ops * 1e6, "path": path}
+      results.setdefault(str(size), {})[impl] = {"us": us, "path": path}
   b12x_jax.check_errors()
   return results
 
@@ -92,18 +86,6 @@ def _op(impl: str):
   raise ValueError(f"unknown impl {impl!r}")
 
 
-def _gpus() -> int:
-  import jax
-  try:
-    return len(jax.devices("gpu"))
-  except RuntimeError:
-    return 0
-
-
-def _fmt(size: int) -> str:
-  return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
-
-
 def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--ops", type=int, default=64)
@@ -116,13 +98,13 @@ def main() -> None:
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
   sizes = [int(s) for s in args.sizes.split(",")]
-  args.impls = args.impls or ("b12x,b12x_barrier,psum,floor" if _gpus() >= 2 else "b12x,psum")
+  args.impls = args.impls or ("b12x,b12x_barrier,psum,floor" if gpu_count() >= 2 else "b12x,psum")
   if args.child:
     print("RESULT " + json.dumps(measure(args.impls.split(","), sizes, args.ops, args.iters, args.devices)))
     return
   results = measure(args.impls.split(","), sizes, args.ops, args.iters, args.devices)
   columns = args.impls.split(",")
-  if _gpus() >= 2 and not args.no_flag_columns:
+  if gpu_count() >= 2 and not args.no_flag_columns:
     # Columns that need other XLA flags, each measured in a child process.
     for suffix, impls, flag in [("_oneshot", ["psum"], ONESHOT_FLAG),
                                 ("_no_graphs", ["b12x", "floor"], NO_GRAPHS)]:
@@ -147,7 +129,7 @@ def main() -> None:
     cells = [f"{row[c]['us']:.1f}" + (" (psum path)" if c.startswith("b12x") and row[c]["path"] == "psum" else "")
              for c in columns]
     speedup = row["psum"]["us"] / row["b12x"]["us"] if "b12x" in row and "psum" in row else float("nan")
-    print(f"| {_fmt(size)} | " + " | ".join(cells) + f" | {speedup:.2f}x |")
+    print(f"| {size_label(size)} | " + " | ".join(cells) + f" | {speedup:.2f}x |")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=1)

@@ -16,7 +16,8 @@ import os
 import socket
 import subprocess
 import sys
-import time
+
+from _common import per_op_us, size_label
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20, 32 << 20]
 
@@ -50,15 +51,9 @@ def worker(args) -> None:
       x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")),
                                                  np.full((size // 2,), 1e-3, jnp.bfloat16))
       with b12x_jax.channel("bench"):
-        for _ in range(5):  # compile, then let the clocks ramp up
-          fn(x).block_until_ready()
-        times = []
-        for _ in range(args.iters):
-          start = time.perf_counter()
-          fn(x).block_until_ready()
-          times.append(time.perf_counter() - start)
+        us = per_op_us(lambda: fn(x), args.ops, args.iters)
       path = b12x_jax.get_communicator().decisions[-1].path if impl == "b12x" else impl
-      results.setdefault(str(size), {})[impl] = {"us": float(np.median(times)) / args.ops * 1e6, "path": path}
+      results.setdefault(str(size), {})[impl] = {"us": us, "path": path}
   b12x_jax.check_errors()
   b12x_jax.get_communicator().close()  # collective: before jax.distributed shuts down
   if jax.process_index() == 0:
@@ -104,7 +99,7 @@ def main() -> None:
   for size in args.sizes:
     row = results[str(size)]
     note = " (psum path)" if row["b12x"]["path"] == "psum" else ""
-    print(f"| {_fmt(size)} | {row['b12x']['us']:.1f}{note} | {row['psum']['us']:.1f} | "
+    print(f"| {size_label(size)} | {row['b12x']['us']:.1f}{note} | {row['psum']['us']:.1f} | "
           f"{row['psum']['us'] / row['b12x']['us']:.2f}x |")
   if args.json:
     with open(args.json, "w") as f:
@@ -112,15 +107,12 @@ def main() -> None:
 
 
 def _gpus() -> int:
+  # Counted without jax: the launcher must not open the GPUs its workers use.
   try:
     out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
   except (OSError, subprocess.CalledProcessError):
     return 0
   return len([ln for ln in out.splitlines() if ln.startswith("GPU ")])
-
-
-def _fmt(size: int) -> str:
-  return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
 
 
 if __name__ == "__main__":

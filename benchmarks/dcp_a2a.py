@@ -23,7 +23,8 @@ import argparse
 import itertools
 import json
 import os
-import time
+
+from _common import gpu_count, per_op_us
 
 BATCHES = [1, 8, 64, 256]
 HEADS = [32, 128]
@@ -90,43 +91,30 @@ def measure(shapes: list[tuple[int, int, int]], ops: int, iters: int, devices: i
       comm.policy = "psum" if impl == "all_to_all" else "auto"  # decided at trace time
       try:
         with b12x_jax.channel("bench"):
-          jax.block_until_ready(fn(out, lse))
-          times = []
-          for _ in range(iters):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(out, lse))
-            times.append(time.perf_counter() - start)
+          us = per_op_us(lambda: fn(out, lse), ops, iters)
       finally:
         comm.policy = "auto"
       path = comm.decisions[-1].path if impl != "ag_rs" else "ag_rs"
       key = f"{batch}x{heads}x{dim}"
-      results.setdefault(key, {})[impl] = {"us": float(np.median(times)) / ops * 1e6, "path": path}
+      results.setdefault(key, {})[impl] = {"us": us, "path": path}
   b12x_jax.check_errors()
   return results
-
-
-def _gpus() -> int:
-  import jax
-  try:
-    return len(jax.devices("gpu"))
-  except RuntimeError:
-    return 0
 
 
 def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--ops", type=int, default=64)
-  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--iters", type=int, default=50)
   parser.add_argument("--devices", type=int, default=2)
   parser.add_argument("--smoke", action="store_true", help="one tiny size on emulated CPU devices")
   parser.add_argument("--json", help="write the results here too")
   args = parser.parse_args()
   if args.smoke:
     shapes, platform, args.ops, args.iters = [(1, 8, 128)], "cpu", 4, 3
-  elif _gpus() >= args.devices:
+  elif gpu_count() >= args.devices:
     shapes, platform = list(itertools.product(BATCHES, HEADS, DIMS)), "gpu"
   else:
-    raise SystemExit(f"benchmarks/dcp_a2a.py needs {args.devices} GPUs (found {_gpus()}); --smoke runs on CPU")
+    raise SystemExit(f"benchmarks/dcp_a2a.py needs {args.devices} GPUs (found {gpu_count()}); --smoke runs on CPU")
   results = measure(shapes, args.ops, args.iters, args.devices, platform)
   print(f"\ndcp_a2a, bf16 out, fp32 lse, {args.devices} devices on {platform}, {args.ops} chained merges per "
         f"executable, median of {args.iters} runs, us per op")

@@ -125,24 +125,23 @@ NB_MODULE(_b12x, m) {
 #endif
   });
 
-  m.def("prepare_host", [](const std::string& channel, std::vector<int> ordinals, size_t capacity_bytes,
-                           double timeout_s, bool poison_outputs) {
-    ChannelOptions options;
-    options.capacity_bytes = capacity_bytes;
-    options.timeout_s = timeout_s;
-    options.poison_outputs = poison_outputs;
+  nb::class_<ChannelOptions>(m, "ChannelOptions", "What a channel is prepared with (ffi/registry.h).")
+      .def(nb::init<>())
+      .def_rw("capacity_bytes", &ChannelOptions::capacity_bytes)
+      .def_rw("lamport_bytes", &ChannelOptions::lamport_bytes)
+      .def_rw("timeout_s", &ChannelOptions::timeout_s)
+      .def_rw("max_blocks", &ChannelOptions::max_blocks)
+      .def_rw("poison_outputs", &ChannelOptions::poison_outputs);
+
+  m.def("prepare_host", [](const std::string& channel, std::vector<int> ordinals, const ChannelOptions& options) {
     add_group(make_host_group(channel, std::move(ordinals), options));
-  }, nb::arg("channel"), nb::arg("ordinals"), nb::arg("capacity_bytes"), nb::arg("timeout_s"),
-     nb::arg("poison_outputs"),
+  }, nb::arg("channel"), nb::arg("ordinals"), nb::arg("options"),
      "Allocates the channel in host memory for the given CPU devices, ranks in list order.");
 
 #if defined(B12X_WITH_CUDA)
-  m.def("prepare_cuda", [](const std::string& channel, std::vector<int> ordinals, size_t capacity_bytes,
-                           size_t lamport_bytes, double timeout_s, int max_blocks, bool poison_outputs) {
-    ChannelOptions options{capacity_bytes, lamport_bytes, timeout_s, max_blocks, poison_outputs};
+  m.def("prepare_cuda", [](const std::string& channel, std::vector<int> ordinals, const ChannelOptions& options) {
     add_group(make_cuda_group(channel, std::move(ordinals), options));
-  }, nb::arg("channel"), nb::arg("ordinals"), nb::arg("capacity_bytes"), nb::arg("lamport_bytes"),
-     nb::arg("timeout_s"), nb::arg("max_blocks"), nb::arg("poison_outputs"),
+  }, nb::arg("channel"), nb::arg("ordinals"), nb::arg("options"),
      "Allocates the channel on the given GPUs of this process, enables and probes peer access.");
   m.def("probe_peer_access", &probe_peer_access, nb::arg("ordinals"),
         "Empty when every pair of the GPUs can read and write each other's memory, else why not.");
@@ -157,25 +156,16 @@ NB_MODULE(_b12x, m) {
       .def("install", &PendingGroup::install, "Hands the group to the handlers.")
       .def("free", &PendingGroup::free, "Frees the local memory (rollback, after every rank closed its imports).");
 
-  m.def("share_host", [](const std::string& channel, std::vector<int> ordinals, size_t capacity_bytes,
-                         double timeout_s, bool poison_outputs) {
-    ChannelOptions options;
-    options.capacity_bytes = capacity_bytes;
-    options.timeout_s = timeout_s;
-    options.poison_outputs = poison_outputs;
+  m.def("share_host", [](const std::string& channel, std::vector<int> ordinals, const ChannelOptions& options) {
     return PendingGroup(make_shm_group(channel, std::move(ordinals), options));
-  }, nb::arg("channel"), nb::arg("ordinals"), nb::arg("capacity_bytes"), nb::arg("timeout_s"),
-     nb::arg("poison_outputs"),
+  }, nb::arg("channel"), nb::arg("ordinals"), nb::arg("options"),
      "Allocates the local ranks of a channel shared with other processes in POSIX shared memory; "
      "ordinals[r] is -1 for a rank another process holds.");
 
 #if defined(B12X_WITH_CUDA)
-  m.def("share_cuda", [](const std::string& channel, std::vector<int> ordinals, size_t capacity_bytes,
-                         size_t lamport_bytes, double timeout_s, int max_blocks, bool poison_outputs) {
-    ChannelOptions options{capacity_bytes, lamport_bytes, timeout_s, max_blocks, poison_outputs};
+  m.def("share_cuda", [](const std::string& channel, std::vector<int> ordinals, const ChannelOptions& options) {
     return PendingGroup(make_ipc_group(channel, std::move(ordinals), options));
-  }, nb::arg("channel"), nb::arg("ordinals"), nb::arg("capacity_bytes"), nb::arg("lamport_bytes"),
-     nb::arg("timeout_s"), nb::arg("max_blocks"), nb::arg("poison_outputs"),
+  }, nb::arg("channel"), nb::arg("ordinals"), nb::arg("options"),
      "Allocates and exports (CUDA IPC) this process's rank of a channel shared with other processes; "
      "ordinals[r] is -1 for a rank another process holds.");
 #endif

@@ -26,6 +26,10 @@ inline constexpr int kMaxRanks = 8;
 inline constexpr int kMaxBlocks = 64;
 // Staging and payload granularity: one 16-byte vector per thread per step.
 inline constexpr size_t kPackBytes = 16;
+// Slots of the barrier protocol's staging (protocol.h) and buffers of the
+// Lamport exchange (cuda/lamport.cuh): each argues its own reuse.
+inline constexpr int kStagingSlots = 2;
+inline constexpr int kLamportBuffers = 3;
 
 // Signal region of one rank. Block b of a call synchronises with block b of
 // every peer through these words only, so blocks never wait on each other

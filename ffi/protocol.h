@@ -28,13 +28,16 @@
 
 namespace b12x {
 
+// The peer whose counter holds a rank's epoch: arrive() advances the
+// counters of all peers together, so any one will do.
+B12X_HD int epoch_peer(int rank) { return rank == 0 ? 1 : 0; }
+
 // The epoch block `block` is about to run: one past the calls it has done.
 // Every rank's block b has done the same calls (a call's grid is a function
 // of its static shape, equal on every rank), so this agrees across ranks.
 template <class Mem>
 B12X_HD uint32_t next_epoch(const ChannelView& v, int block) {
-  const int any_peer = v.rank == 0 ? 1 : 0;
-  return Mem::load_relaxed(&v.signals[v.rank]->counter[block][any_peer]) + 1;
+  return Mem::load_relaxed(&v.signals[v.rank]->counter[block][epoch_peer(v.rank)]) + 1;
 }
 
 template <class Mem>

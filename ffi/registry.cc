@@ -83,6 +83,16 @@ std::vector<const ChannelGroup*> Registry::groups() const {
   return out;
 }
 
+ChannelView base_view(const ChannelOptions& options, int world, int blocks) {
+  const auto cell_bytes = [&](size_t bytes) { return bytes / blocks / kPackBytes * kPackBytes; };
+  ChannelView view{};
+  view.layout = StagingLayout{cell_bytes(options.capacity_bytes), world, blocks, kStagingSlots};
+  view.lamport_layout = StagingLayout{cell_bytes(options.lamport_bytes), world, blocks, kLamportBuffers};
+  view.world = world;
+  view.timeout_ns = static_cast<uint64_t>(options.timeout_s * 1e9);
+  return view;
+}
+
 std::string timeout_message(const ChannelGroup& group, int rank) {
   const ErrorRecord& record = group.error_record(rank);
   char text[512];

@@ -29,6 +29,12 @@ struct ChannelOptions {
   bool poison_outputs = false;  // debug: fill outputs with NaN before a kernel writes them
 };
 
+// The view every rank of a group starts from, before any pointer is set:
+// staging and Lamport layouts with `blocks` cells per source (the largest
+// CUDA grid, or 1 on the host backend), and the timeout. Every transport
+// derives its layout here, so equal options give equal layouts everywhere.
+ChannelView base_view(const ChannelOptions& options, int world, int blocks);
+
 // Ordinal of a rank that another process holds.
 inline constexpr int kRemoteRank = -1;
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
@@ -10,6 +12,21 @@ from jax.sharding import PartitionSpec as P
 DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.float16}
 # Tolerance of one final rounding of an fp32 sum, relative to the magnitudes summed.
 RTOL = {"float32": 1e-6, "bfloat16": 8e-3, "float16": 1e-3}
+
+
+@contextlib.contextmanager
+def fresh_communicator(**options):
+  """A new Communicator with ``options`` for the block (the current one is
+  closed first: one communicator holds channels at a time), then a default."""
+  import b12x_jax
+  b12x_jax.get_communicator().close()
+  comm = b12x_jax.Communicator(**options)
+  b12x_jax.set_communicator(comm)
+  try:
+    yield comm
+  finally:
+    comm.close()
+    b12x_jax.set_communicator(b12x_jax.Communicator())
 
 
 def random_shards(rng: np.random.Generator, n: int, elems: int, dtype) -> np.ndarray:

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import b12x_jax
 from conftest import run_worker
-from helpers import DTYPES, assert_sum_matches, random_shards
+from helpers import DTYPES, assert_sum_matches, fresh_communicator, random_shards
 
 
 def _per_rank(mesh, **kwargs):
@@ -153,10 +153,7 @@ def test_communicator_rejects_bad_settings():
 def test_poisoned_outputs_are_fully_overwritten(cpu_mesh):
   # poison_outputs fills every output with NaN before the backend writes it:
   # a NaN left over would fail assert_sum_matches.
-  b12x_jax.get_communicator().close()
-  comm = b12x_jax.Communicator(poison_outputs=True)
-  b12x_jax.set_communicator(comm)
-  try:
+  with fresh_communicator(poison_outputs=True) as comm:
     mesh = cpu_mesh(2)
     fn = _per_rank(mesh)
     rng = np.random.default_rng(11)
@@ -165,9 +162,6 @@ def test_poisoned_outputs_are_fully_overwritten(cpu_mesh):
         shards = random_shards(rng, 2, nbytes // 4, np.float32)
         assert_sum_matches(_run(fn, mesh, shards), shards, "float32")
     assert comm.stats("poisoned", mesh.devices.flat[0])["lamport_bytes"] == 0  # host backend: barrier only
-  finally:
-    comm.close()
-    b12x_jax.set_communicator(b12x_jax.Communicator())
 
 
 def test_close_twice_is_harmless(cpu_mesh):
@@ -183,7 +177,7 @@ def test_a_group_whose_transport_fails_lowers_to_psum_or_raises_under_strict(cpu
   # making preparation fail the way the probe does.
   from b12x_jax import _native
 
-  def failing_prepare(platform, channel, ordinals, **_):
+  def failing_prepare(platform, channel, ordinals, options):
     raise b12x_jax.TransportError(f"peer access between devices {ordinals} does not work: simulated")
 
   comm = b12x_jax.get_communicator()

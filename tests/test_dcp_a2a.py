@@ -14,7 +14,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import b12x_jax
-from helpers import DTYPES, assert_merge_matches, assert_sum_matches, attention_shards, random_shards
+from conftest import run_worker
+from helpers import (DTYPES, assert_merge_matches, assert_sum_matches, attention_shards, fresh_communicator,
+                     random_shards)
 
 MERGE_DTYPES = ["bfloat16", "float16"]
 
@@ -58,6 +60,22 @@ def test_merge_matches_float64_attention_over_all_kv(cpu_mesh, n, dtype_name, ls
       assert got.dtype == outs.dtype and got_lse.dtype == np.float32
       assert_merge_matches(got, got_lse, outs, want, want_lse, dtype_name)
   assert _decision().path == "b12x", _decision()
+
+
+def test_poisoned_outputs_are_fully_overwritten(cpu_mesh):
+  # poison_outputs: out and lse are NaN before the backend writes them; a row
+  # left over fails assert_merge_matches (it rejects non-finite outputs).
+  with fresh_communicator(poison_outputs=True):
+    mesh = cpu_mesh(2)
+    fn = _per_rank(mesh, return_lse=True)
+    rng = np.random.default_rng(12)
+    with b12x_jax.channel("poisoned"):
+      for _ in range(2):
+        outs, lses, want, want_lse = attention_shards(rng, 2, 3, 8, 16, jnp.bfloat16)
+        got, got_lse = _run(fn, mesh, outs, lses)
+        assert_merge_matches(got, got_lse, outs, want, want_lse, "bfloat16")
+        assert np.isfinite(got_lse).all()
+    assert _decision().path == "b12x", _decision()
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -240,3 +258,11 @@ def test_bad_arguments_are_clear_errors(cpu_mesh, out_shape, out_dtype, lse_shap
   lse = jax.ShapeDtypeStruct((2 * lse_shape[0],) + lse_shape[1:], lse_dtype, sharding=NamedSharding(mesh, P("x")))
   with pytest.raises(error, match=match):
     fn.trace(out, lse)
+
+
+def test_a_peer_that_never_joins_a_merge_times_out_with_names():
+  result = run_worker("timeout", "--platform", "cpu", "--op", "dcp_a2a", "--timeout", "1.0", hard_timeout=120)
+  assert len(result["messages"]) == 2, result
+  for message in result["messages"]:
+    assert re.search(r"channel 'lonely' rank 0 timed out after 1 s at epoch 1 waiting for rank 1", message), message
+  assert result["seconds"] < 30

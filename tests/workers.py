@@ -22,8 +22,9 @@ def _setup(platform: str, devices: int, xla_flags: str = "") -> None:
 
 
 def timeout_mode(args) -> dict:
-  """Rank 0 calls all_reduce, rank 1 never joins: the error must name the
-  channel, rank, missing peer and epoch, within the timeout."""
+  """Rank 0 calls ``args.op`` (all_reduce or dcp_a2a), rank 1 never joins:
+  the error must name the channel, rank, missing peer and epoch, within the
+  timeout."""
   import jax
   import numpy as np
   from jax.sharding import PartitionSpec as P
@@ -32,12 +33,23 @@ def timeout_mode(args) -> dict:
   b12x_jax.set_communicator(b12x_jax.Communicator(timeout_s=args.timeout, lamport_bytes=args.lamport_bytes))
   mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
 
+  if args.op == "all_reduce":
+    def lonely(x):
+      return b12x_jax.all_reduce(x, "x")
+    x = np.ones((2 * 256,), np.float32)
+  else:  # out [B, H, D] bfloat16 from the float input; each rank keeps H/2 heads, as the skipping branch does
+    def lonely(x):
+      out = b12x_jax.dcp_a2a(x.astype(jax.numpy.bfloat16), jax.numpy.zeros(x.shape[:2], np.float32), "x")
+      return out.astype(x.dtype)
+    x = np.ones((2 * 4, 8, 64), np.float32)
+
   def body(x):
     joined = jax.lax.axis_index("x") == 0
-    return jax.lax.cond(joined, lambda v: b12x_jax.all_reduce(v, "x"), lambda v: v, x)
+    skip = (lambda v: v) if args.op == "all_reduce" else (lambda v: v[:, : v.shape[1] // 2])
+    return jax.lax.cond(joined, lonely, skip, x)
 
   fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
-  x = jax.device_put(np.ones(2 * 256, np.float32), jax.sharding.NamedSharding(mesh, P("x")))
+  x = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("x")))
   start = time.monotonic()
   messages = []
   with b12x_jax.channel("lonely"):
@@ -141,6 +153,7 @@ def main() -> None:
   parser.add_argument("--runs", type=int, default=200)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--lamport-bytes", type=int, default=1 << 20)
+  parser.add_argument("--op", choices=["all_reduce", "dcp_a2a"], default="all_reduce")
   parser.add_argument("--xla-flags", default="")
   args = parser.parse_args()
   _setup(args.platform, args.devices, args.xla_flags)

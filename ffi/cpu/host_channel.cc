@@ -5,6 +5,7 @@
 #include <new>
 #include <stdexcept>
 
+#include "../protocol.h"
 #include "host_memory.h"
 
 namespace b12x {
@@ -23,15 +24,10 @@ class HostGroup final : public ChannelGroup {
   HostGroup(const std::string& channel, std::vector<int> ordinals, const ChannelOptions& options)
       : ChannelGroup(channel, Platform::kHost, std::move(ordinals), options) {
     const int world = this->world();
-    // The host backend runs one "block" per call: all of a call in one cell.
-    const StagingLayout layout{options.capacity_bytes, world, 1, 2};
-    ChannelView view{};
-    view.layout = layout;
-    view.world = world;
-    view.timeout_ns = static_cast<uint64_t>(options.timeout_s * 1e9);
+    ChannelView view = host_base_view(options, world);
     for (int r = 0; r < world; ++r) {
       view.signals[r] = static_cast<Signal*>(zeroed(sizeof(Signal)));
-      view.staging[r] = static_cast<char*>(zeroed(layout.total_bytes()));
+      view.staging[r] = static_cast<char*>(zeroed(view.layout.total_bytes()));
       allocations_.push_back(view.signals[r]);
       allocations_.push_back(view.staging[r]);
       host_errors_.push_back(static_cast<ErrorRecord*>(zeroed(sizeof(ErrorRecord))));
@@ -48,19 +44,25 @@ class HostGroup final : public ChannelGroup {
     for (void* p : allocations_) std::free(p);
   }
 
-  uint32_t read_calls(int rank) const override {
-    const ChannelView& v = views_[rank];
-    return HostMem::load_relaxed(&v.signals[rank]->counter[0][rank == 0 ? 1 : 0]);
-  }
-  bool read_poisoned(int rank) const override {
-    return HostMem::load_relaxed(&views_[rank].signals[rank]->poisoned) != 0;
-  }
+  uint32_t read_calls(int rank) const override { return read_host_calls(views_[rank]); }
+  bool read_poisoned(int rank) const override { return read_host_poisoned(views_[rank]); }
 
  private:
   std::vector<void*> allocations_;
 };
 
 }  // namespace
+
+ChannelView host_base_view(ChannelOptions options, int world) {
+  options.lamport_bytes = 0;
+  return base_view(options, world, 1);
+}
+
+uint32_t read_host_calls(const ChannelView& v) {
+  return HostMem::load_relaxed(&v.signals[v.rank]->counter[0][epoch_peer(v.rank)]);
+}
+
+bool read_host_poisoned(const ChannelView& v) { return HostMem::load_relaxed(&v.signals[v.rank]->poisoned) != 0; }
 
 std::unique_ptr<ChannelGroup> make_host_group(const std::string& channel, std::vector<int> ordinals,
                                               const ChannelOptions& options) {

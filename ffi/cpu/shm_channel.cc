@@ -10,7 +10,7 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "host_memory.h"
+#include "host_channel.h"
 
 namespace b12x {
 namespace {
@@ -28,11 +28,8 @@ class ShmGroup final : public SharedGroup {
   ShmGroup(const std::string& channel, std::vector<int> ordinals, const ChannelOptions& options)
       : SharedGroup(channel, Platform::kHost, std::move(ordinals), options) {
     const int world = this->world();
-    layout_ = StagingLayout{options.capacity_bytes, world, 1, 2};  // one "block": as HostGroup
-    ChannelView view{};
-    view.layout = layout_;
-    view.world = world;
-    view.timeout_ns = static_cast<uint64_t>(options.timeout_s * 1e9);
+    const ChannelView view = host_base_view(options, world);
+    layout_ = view.layout;
     views_.assign(world, view);
     host_errors_.assign(world, nullptr);
     names_.assign(world, std::string());
@@ -91,12 +88,8 @@ class ShmGroup final : public SharedGroup {
     imports_.clear();
   }
 
-  uint32_t read_calls(int rank) const override {
-    return HostMem::load_relaxed(&views_[rank].signals[rank]->counter[0][rank == 0 ? 1 : 0]);
-  }
-  bool read_poisoned(int rank) const override {
-    return HostMem::load_relaxed(&views_[rank].signals[rank]->poisoned) != 0;
-  }
+  uint32_t read_calls(int rank) const override { return read_host_calls(views_[rank]); }
+  bool read_poisoned(int rank) const override { return read_host_poisoned(views_[rank]); }
 
  private:
   // "/b12x.<pid>.<n>.r<rank>": unique on the host while this process lives.

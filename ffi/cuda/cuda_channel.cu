@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "../protocol.h"
 #include "cuda_memory.cuh"
 #include "lamport.cuh"
 
@@ -85,15 +86,9 @@ class CudaGroup final : public ChannelGroup {
       : ChannelGroup(channel, Platform::kCuda, std::move(ordinals), options) {
     DeviceGuard guard;
     const int world = this->world();
-    const int max_blocks = options.max_blocks;
-    const auto cell_bytes = [&](size_t bytes) { return bytes / max_blocks / kPackBytes * kPackBytes; };
-    const StagingLayout layout{cell_bytes(options.capacity_bytes), world, max_blocks, 2};
-    const StagingLayout lamport_layout{cell_bytes(options.lamport_bytes), world, max_blocks, kLamportBuffers};
-    ChannelView view{};
-    view.layout = layout;
-    view.lamport_layout = lamport_layout;
-    view.world = world;
-    view.timeout_ns = static_cast<uint64_t>(options.timeout_s * 1e9);
+    ChannelView view = base_view(options, world, options.max_blocks);
+    const StagingLayout& layout = view.layout;
+    const StagingLayout& lamport_layout = view.lamport_layout;
     try {
       for (int r = 0; r < world; ++r) {
         B12X_CUDA_CHECK(cudaSetDevice(ordinals_[r]));
@@ -106,7 +101,6 @@ class CudaGroup final : public ChannelGroup {
         B12X_CUDA_CHECK(cudaHostAlloc(&record, sizeof(ErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable));
         *record = ErrorRecord{};
         host_errors_.push_back(record);
-        signals_.push_back(view.signals[r]);
         B12X_CUDA_CHECK(cudaDeviceSynchronize());
       }
     } catch (...) {
@@ -130,8 +124,12 @@ class CudaGroup final : public ChannelGroup {
     free_all();
   }
 
-  uint32_t read_calls(int rank) const override { return read_device_calls(ordinals_[rank], signals_[rank], rank); }
-  bool read_poisoned(int rank) const override { return read_device_poisoned(ordinals_[rank], signals_[rank]); }
+  uint32_t read_calls(int rank) const override {
+    return read_device_calls(ordinals_[rank], views_[rank].signals[rank], rank);
+  }
+  bool read_poisoned(int rank) const override {
+    return read_device_poisoned(ordinals_[rank], views_[rank].signals[rank]);
+  }
 
  private:
   // cudaMalloc + cudaMemset on rank `rank`'s device (current), owned by the group.
@@ -155,7 +153,6 @@ class CudaGroup final : public ChannelGroup {
   }
 
   std::vector<std::pair<int, void*>> device_memory_;
-  std::vector<Signal*> signals_;  // per rank, for the host-side reads
 
 };
 
@@ -207,7 +204,7 @@ uint32_t read_device_calls(int ordinal, const Signal* signal, int rank) {
   DeviceGuard guard;
   cudaSetDevice(ordinal);
   uint32_t barrier = 0, lamport = 0;
-  cudaMemcpy(&barrier, &signal->counter[0][rank == 0 ? 1 : 0], sizeof(barrier), cudaMemcpyDeviceToHost);
+  cudaMemcpy(&barrier, &signal->counter[0][epoch_peer(rank)], sizeof(barrier), cudaMemcpyDeviceToHost);
   cudaMemcpy(&lamport, &signal->lamport_calls[0], sizeof(lamport), cudaMemcpyDeviceToHost);
   return barrier + lamport;
 }

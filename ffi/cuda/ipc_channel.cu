@@ -25,16 +25,10 @@ class IpcGroup final : public SharedGroup {
       : SharedGroup(channel, Platform::kCuda, std::move(ordinals), options), local_(local) {
     DeviceGuard guard;
     const int world = this->world();
-    const int max_blocks = options.max_blocks;
-    // The same layouts as a one-process CudaGroup: equal options give equal
-    // layouts on every rank (the rendezvous frame checks it).
-    const auto cell_bytes = [&](size_t bytes) { return bytes / max_blocks / kPackBytes * kPackBytes; };
-    ChannelView view{};
-    view.layout = StagingLayout{cell_bytes(options.capacity_bytes), world, max_blocks, 2};
-    view.lamport_layout = StagingLayout{cell_bytes(options.lamport_bytes), world, max_blocks, kLamportBuffers};
-    view.world = world;
+    // The same layouts as a one-process CudaGroup (the rendezvous frame
+    // checks that every rank derived the same).
+    ChannelView view = base_view(options, world, options.max_blocks);
     view.rank = local;
-    view.timeout_ns = static_cast<uint64_t>(options.timeout_s * 1e9);
     views_.assign(world, view);
     host_errors_.assign(world, nullptr);
     B12X_CUDA_CHECK(cudaSetDevice(ordinals_[local]));

@@ -29,7 +29,6 @@
 
 namespace b12x {
 
-inline constexpr int kLamportBuffers = 3;
 inline constexpr int kLamportEmptyByte = 0xFF;
 inline constexpr uint32_t kLamportEmptyWord = 0xFFFFFFFFu;
 inline constexpr uint32_t kLamportNaNWord = 0x7FFF7FFFu;

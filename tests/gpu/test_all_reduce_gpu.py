@@ -5,7 +5,6 @@ kernel writes it, so an element the kernel misses fails the test."""
 
 from __future__ import annotations
 
-import contextlib
 
 import jax
 import numpy as np
@@ -16,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import b12x_jax
 from b12x_jax import _b12x
 from conftest import requires_2_gpus, run_worker
-from helpers import DTYPES, assert_sum_matches, random_shards
+from helpers import DTYPES, assert_sum_matches, fresh_communicator, random_shards
 
 pytestmark = [pytest.mark.gpu, requires_2_gpus]
 N = 2
@@ -29,19 +28,6 @@ def _mesh():
 def _per_rank_all_reduce(mesh):
   return jax.jit(jax.shard_map(lambda x: b12x_jax.all_reduce(x, "x"), mesh=mesh, in_specs=P("x"),
                                out_specs=P("x")))
-
-
-@contextlib.contextmanager
-def _communicator(**options):
-  """A fresh Communicator with ``options`` for the block, then the default."""
-  b12x_jax.get_communicator().close()
-  comm = b12x_jax.Communicator(**options)
-  b12x_jax.set_communicator(comm)
-  try:
-    yield comm
-  finally:
-    comm.close()
-    b12x_jax.set_communicator(b12x_jax.Communicator())
 
 
 def _check_values(nbytes: int, dtype_name: str, calls: int = 3) -> None:
@@ -65,13 +51,13 @@ LAMPORT_BYTES = 1 << 20  # the default window: sizes up to it take the Lamport p
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("nbytes", [16, 4096, 65536, LAMPORT_BYTES, LAMPORT_BYTES + 16, 8 << 20])
 def test_all_reduce_matches_float64_reference_on_every_rank(dtype_name, nbytes):
-  with _communicator(poison_outputs=True, lamport_bytes=LAMPORT_BYTES):
+  with fresh_communicator(poison_outputs=True, lamport_bytes=LAMPORT_BYTES):
     _check_values(nbytes, dtype_name)
 
 
 @pytest.mark.parametrize("nbytes", [16, 4096, 65536])
 def test_barrier_path_is_right_for_small_payloads_too(nbytes):
-  with _communicator(poison_outputs=True, lamport_bytes=0) as comm:
+  with fresh_communicator(poison_outputs=True, lamport_bytes=0) as comm:
     _check_values(nbytes, "bfloat16", calls=5)
     assert comm.stats("values", jax.devices("gpu")[0])["lamport_bytes"] == 0
 
@@ -83,7 +69,7 @@ def test_nan_payloads_whose_bits_are_the_lamport_empty_word_do_not_hang():
   shards = random_shards(rng, N, 4096, np.float32)
   bits = shards.view(np.uint32)
   bits[0, ::7] = 0xFFFFFFFF  # the "empty" pattern, a NaN
-  with _communicator(poison_outputs=True, timeout_s=5.0), b12x_jax.channel("values"):
+  with fresh_communicator(poison_outputs=True, timeout_s=5.0), b12x_jax.channel("values"):
     out = np.asarray(fn(jax.device_put(shards.reshape(-1), NamedSharding(mesh, P("x"))))).reshape(N, -1)
     b12x_jax.check_errors()
   nan = np.zeros(4096, bool)

@@ -1,4 +1,7 @@
-"""dcp_a2a on 2 CUDA GPUs of one process (marked gpu; skipped below 2)."""
+"""dcp_a2a on 2 CUDA GPUs of one process (marked gpu; skipped below 2).
+
+Value tests run with ``poison_outputs``: out and lse are NaN before the
+kernel writes them, so a row the kernel misses fails the test."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import b12x_jax
 from conftest import requires_2_gpus, run_worker
-from helpers import DTYPES, assert_merge_matches, attention_shards
+from helpers import DTYPES, assert_merge_matches, attention_shards, fresh_communicator
 
 pytestmark = [pytest.mark.gpu, requires_2_gpus]
 N = 2
@@ -38,7 +41,7 @@ def test_merge_matches_float64_attention_on_every_rank(dtype_name, batch, heads,
   mesh = _mesh()
   fn = _per_rank_merge(mesh, lse_base)
   rng = np.random.default_rng([batch, heads, dim])
-  with b12x_jax.channel("values"):
+  with fresh_communicator(poison_outputs=True), b12x_jax.channel("values"):
     for _ in range(3):  # fresh inputs each call, both staging slots
       outs, lses, want, want_lse = attention_shards(rng, N, batch, heads, dim, DTYPES[dtype_name], kv=4,
                                                     base2=lse_base == "2", empty=((0, 0, 0), (1, batch - 1, 1)),
@@ -46,8 +49,8 @@ def test_merge_matches_float64_attention_on_every_rank(dtype_name, batch, heads,
       got, got_lse = fn(_put(mesh, outs), _put(mesh, lses))
       assert_merge_matches(np.asarray(got).reshape(N, batch, heads // N, dim),
                            np.asarray(got_lse).reshape(N, batch, heads // N), outs, want, want_lse, dtype_name)
-  assert b12x_jax.get_communicator().decisions[-1].path == "b12x"
-  b12x_jax.check_errors()
+    assert b12x_jax.get_communicator().decisions[-1].path == "b12x"
+    b12x_jax.check_errors()
 
 
 @pytest.mark.parametrize("graphs", ["on", "off"])
@@ -75,3 +78,11 @@ def test_target_and_draft_merges_alternate_on_separate_channels():
   for name, calls in counts.items():
     for device in jax.devices("gpu")[:N]:
       assert comm.stats(name, device)["epoch"] == calls
+
+
+def test_a_peer_that_never_joins_a_merge_raises_the_timeout_error():
+  result = run_worker("timeout", "--platform", "gpu", "--op", "dcp_a2a", "--timeout", "1.0", hard_timeout=120)
+  assert len(result["messages"]) == 2, result
+  for message in result["messages"]:
+    assert "channel 'lonely'" in message and "rank 0" in message and "rank 1" in message and "epoch" in message
+  assert result["seconds"] < 60
