@@ -9,10 +9,11 @@ from b12x_jax.errors import (B12xError, ChannelError, CollectiveTimeoutError, In
                              TransportError)
 from b12x_jax.ops.all_reduce import all_reduce
 from b12x_jax.ops.dcp_a2a import dcp_a2a
+from b12x_jax.ops.residual_rmsnorm import all_reduce_residual_rmsnorm
 
 
 __all__ = [
     "B12xError", "ChannelError", "CollectiveTimeoutError", "Communicator", "DEFAULT_CHANNEL", "Decision",
-    "IneligibleError", "TransportError", "all_reduce", "channel", "check_errors", "current_channel", "dcp_a2a",
+    "IneligibleError", "TransportError", "all_reduce", "all_reduce_residual_rmsnorm", "channel", "check_errors", "current_channel", "dcp_a2a",
     "get_communicator", "is_strict", "set_communicator", "set_strict",
 ]

@@ -10,7 +10,7 @@ import threading
 import jax
 
 from b12x_jax import _b12x
-from b12x_jax.errors import ChannelError, TransportError
+from b12x_jax.errors import ChannelError, CollectiveTimeoutError, TransportError
 
 _registered = False
 _register_lock = threading.Lock()
@@ -115,12 +115,24 @@ def open_peer(pending, rank: int, exported: bytes) -> None:
 
 
 def retire(platform: str, channel: str) -> None:
-  """Takes the channel out of use and closes its imports (memory stays)."""
-  _b12x.retire(platform, channel)
+  """Takes the channel out of use, waits (bounded) for this process's calls
+  queued on it, and closes its imports (memory stays). CollectiveTimeoutError
+  if calls are still queued after the bound; the imports then stay open."""
+  try:
+    _b12x.retire(platform, channel)
+  except RuntimeError as e:
+    raise CollectiveTimeoutError(str(e)) from None
 
 
 def release(platform: str, channel: str) -> None:
-  _b12x.release(platform, channel)
+  """Frees the channel's memory once no call of this process can touch it:
+  CUDA groups synchronise their devices, host groups wait (bounded) for
+  their queued calls. CollectiveTimeoutError if calls are still queued
+  after the bound; their memory is then kept, never freed under them."""
+  try:
+    _b12x.release(platform, channel)
+  except RuntimeError as e:
+    raise CollectiveTimeoutError(str(e)) from None
 
 
 def stats(platform: str, channel: str, ordinal: int) -> dict:

@@ -30,7 +30,7 @@ from b12x_jax.errors import ChannelError
 
 DEFAULT_CHANNEL = "default"
 
-_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 # Part of jit's cache key: retracing per channel is what keeps two channels'
 # executables apart.
@@ -41,7 +41,7 @@ _strict = threading.Event()
 
 def validate_channel_name(name: object, where: str) -> str:
   """Returns ``name`` if it is a valid channel name, else raises ChannelError."""
-  if not isinstance(name, str) or not _NAME.match(name):
+  if not isinstance(name, str) or not _NAME.fullmatch(name):
     raise ChannelError(
         f"{where}: channel name must be 1-64 characters of letters, digits, '_', '.' or '-', "
         f"got {name!r}; use a stable semantic name such as 'target' or 'draft'")

@@ -21,6 +21,7 @@ import atexit
 import collections
 import contextlib
 import dataclasses
+import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal
@@ -37,8 +38,21 @@ from b12x_jax.errors import ChannelError, CollectiveTimeoutError, IneligibleErro
 MiB = 1 << 20
 Policy = Literal["auto", "strict", "psum"]
 _POLICIES = ("auto", "strict", "psum")
+# Read by Communicator(policy=None): the operator's switch to the psum path.
+POLICY_ENV = "B12X_JAX_POLICY"
 _SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+# A bound on timeouts: "wait forever" is what the bound exists to rule out
+# (and the native layer counts nanoseconds in 64 bits).
+_MAX_TIMEOUT_S = 1e6
 PACK_BYTES = 16
+
+
+def _is_number(value) -> bool:
+  return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +60,7 @@ class Decision:
   """Which path one traced collective took, and why."""
   op: str
   channel: str
-  path: Literal["b12x", "psum", "all_to_all"]
+  path: Literal["b12x", "psum", "all_to_all", "unfused"]
   reason: str
 
 
@@ -59,7 +73,10 @@ class Communicator:
     timeout_s: bound on every wait for a peer (DESIGN C8), default 10 s.
     policy: "auto" falls back to psum outside the b12x window, "strict"
       raises there instead, "psum" forces the psum path for every call
-      (dcp_a2a's fallback is jax.lax.all_to_all plus a local merge).
+      (dcp_a2a's fallback is jax.lax.all_to_all plus a local merge). None
+      (the default) reads the environment variable B12X_JAX_POLICY, else
+      "auto": ``B12X_JAX_POLICY=psum`` switches a deployment to psum without
+      a code change (it applies to functions traced afterwards).
     max_blocks: largest CUDA grid of one call; None takes min(64, SM count).
     lamport_bytes: CUDA payloads up to this size take the flagless Lamport
       exchange (no barrier; three more buffers of this size per peer), larger
@@ -76,27 +93,32 @@ class Communicator:
   """
 
   def __init__(self, *, capacity_bytes: int = 8 * MiB, timeout_s: float = 10.0,
-               policy: Policy = "auto", max_blocks: int | None = None, lamport_bytes: int = 1 * MiB,
+               policy: Policy | None = None, max_blocks: int | None = None, lamport_bytes: int = 1 * MiB,
                poison_outputs: bool = False, setup_timeout_s: float = 60.0):
-    if not isinstance(capacity_bytes, int) or capacity_bytes < PACK_BYTES or capacity_bytes % PACK_BYTES:
+    if not _is_int(capacity_bytes) or capacity_bytes < PACK_BYTES or capacity_bytes % PACK_BYTES:
       raise ValueError(f"Communicator: capacity_bytes must be a positive multiple of 16, got {capacity_bytes!r}")
-    if not timeout_s > 0:
-      raise ValueError(f"Communicator: timeout_s must be > 0, got {timeout_s!r}")
-    if not setup_timeout_s > 0:
-      raise ValueError(f"Communicator: setup_timeout_s must be > 0, got {setup_timeout_s!r}")
+    for setting, value in (("timeout_s", timeout_s), ("setup_timeout_s", setup_timeout_s)):
+      if not _is_number(value) or not 0 < value <= _MAX_TIMEOUT_S:
+        raise ValueError(f"Communicator: {setting} must be a number of seconds > 0 and at most {_MAX_TIMEOUT_S:g} "
+                         f"(every wait is bounded), got {value!r}")
+    if policy is None:
+      policy = os.environ.get(POLICY_ENV, "auto")
+      if policy not in _POLICIES:
+        raise ValueError(f"Communicator: environment variable {POLICY_ENV} must be one of {_POLICIES}, "
+                         f"got {policy!r}")
     if policy not in _POLICIES:
       raise ValueError(f"Communicator: policy must be one of {_POLICIES}, got {policy!r}")
-    if max_blocks is not None and not 1 <= max_blocks <= 64:
+    if max_blocks is not None and (not _is_int(max_blocks) or not 1 <= max_blocks <= 64):
       raise ValueError(f"Communicator: max_blocks must be in [1, 64] or None, got {max_blocks!r}")
-    if not isinstance(lamport_bytes, int) or lamport_bytes < 0 or lamport_bytes % PACK_BYTES:
+    if not _is_int(lamport_bytes) or lamport_bytes < 0 or lamport_bytes % PACK_BYTES:
       raise ValueError(f"Communicator: lamport_bytes must be a non-negative multiple of 16, got {lamport_bytes!r}")
-    self.capacity_bytes = capacity_bytes
-    self.lamport_bytes = lamport_bytes
+    self.capacity_bytes = int(capacity_bytes)
+    self.lamport_bytes = int(lamport_bytes)
     self.poison_outputs = bool(poison_outputs)
     self.timeout_s = float(timeout_s)
     self.setup_timeout_s = float(setup_timeout_s)
     self.policy: Policy = policy
-    self.max_blocks = max_blocks
+    self.max_blocks = None if max_blocks is None else int(max_blocks)
     self.decisions: collections.deque[Decision] = collections.deque(maxlen=1024)
     self._lock = threading.RLock()
     # (platform, channel) -> prepared groups, each a tuple of device ordinals in rank order
@@ -111,33 +133,39 @@ class Communicator:
   # -- the per-call decision (DESIGN C12) ------------------------------------
 
   def choose_path(self, op: str, channel: str, nbytes: int, dtype, axis_size: int, *, unit: str = "payload",
-                  staged_bytes: int | None = None, fallback: str = "psum") -> Decision:
+                  arg: str = "x", staged_bytes: int | None = None, fallback: str = "psum",
+                  shrink: str | None = None) -> Decision:
     """Decides, at trace time, whether a call over ``axis_size`` ranks runs
     on b12x or on its ``fallback`` path; raises under policy "strict" where
-    b12x cannot run it. Records the decision.
+    b12x cannot run it, naming the op, the argument ``arg`` and the fix.
+    Records the decision.
 
     ``nbytes`` is the ``unit`` of ``dtype`` that must be a multiple of 16
     bytes (all_reduce: the payload; dcp_a2a: one row of out), and
     ``staged_bytes`` (default ``nbytes``) what one call stages per source,
-    which must fit ``capacity_bytes``."""
+    which must fit ``capacity_bytes``; ``shrink`` says how to stage less
+    (default: a smaller ``arg``)."""
     name = np.dtype(dtype).name
     staged = nbytes if staged_bytes is None else staged_bytes
     if self.policy == "psum":
-      reason = f"policy 'psum' forces the {fallback} path"
+      reason, fix = f"policy 'psum' forces the {fallback} path", ""
     elif name not in _SUPPORTED_DTYPES:
-      reason = f"dtype {name} is not one of {_SUPPORTED_DTYPES}"
+      reason = f"{arg} has dtype {name}, not one of {_SUPPORTED_DTYPES}"
+      fix = f"cast {arg} to one of them ({arg}.astype(jnp.bfloat16))"
     elif nbytes % PACK_BYTES:
       reason = f"{unit} of {nbytes} bytes is not a multiple of 16 bytes"
+      fix = f"Pad the {unit} to a multiple of 16 bytes"
     elif staged > self.capacity_bytes:
-      reason = f"staging {staged} bytes per source exceeds capacity_bytes={self.capacity_bytes}"
+      reason = f"{arg} stages {staged} bytes per source, which exceeds capacity_bytes={self.capacity_bytes}"
+      fix = f"raise Communicator(capacity_bytes=...) or {shrink or f'split {arg} into smaller calls'}"
     elif axis_size > 8:
-      reason = f"axis of {axis_size} devices exceeds the 8 ranks a channel serves"
+      reason = f"the axis has {axis_size} devices, more than the 8 ranks a channel serves"
+      fix = "use an axis of at most 8 devices"
     else:
       return self._record(Decision(op, channel, "b12x", "inside the b12x window"))
     if self.policy == "strict":
-      raise IneligibleError(
-          f"b12x_jax.{op}: {reason} (policy 'strict'). Pad the {unit} to a multiple of 16 bytes, "
-          f"raise Communicator(capacity_bytes=...), or use policy='auto' to fall back to {fallback}")
+      raise IneligibleError(f"b12x_jax.{op}: {reason} (policy 'strict'). {fix}, or use policy='auto' to fall "
+                            f"back to {fallback}")
     return self._record(Decision(op, channel, fallback, reason))
 
   def _record(self, decision: Decision) -> Decision:
@@ -154,9 +182,15 @@ class Communicator:
     Where a group spans processes this is collective: call it on every
     process with the same mesh, axis and channels (their order may differ).
     If any process fails, every process raises and nothing stays mapped."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+      raise TypeError(f"Communicator.prepare: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; "
+                      f"make one with jax.make_mesh")
     if axis_name not in mesh.axis_names:
       raise ValueError(f"Communicator.prepare: axis_name {axis_name!r} is not one of the mesh axes "
                        f"{tuple(mesh.axis_names)}")
+    if isinstance(channels, str):
+      raise TypeError(f"Communicator.prepare: channels must be a list of channel names, got the string "
+                      f"{channels!r}; write channels=[{channels!r}]")
     names = sorted({validate_channel_name(c, "Communicator.prepare(channels=...)") for c in channels})
     devices = np.moveaxis(np.asarray(mesh.devices, dtype=object), list(mesh.axis_names).index(axis_name), -1)
     groups = [tuple(row) for row in devices.reshape(-1, devices.shape[-1])]
@@ -259,8 +293,9 @@ class Communicator:
   def release(self, channel: str) -> None:
     """Frees ``channel`` on every platform after the work queued on it is done;
     it can be prepared again later under the same name. CUDA groups wait for
-    their devices; the CPU backend does not wait for calls still queued on
-    its progress thread: block on their results before releasing.
+    their devices; CPU groups wait for the calls queued on the progress
+    thread, at most 2 * timeout_s + 1 s (each call ends within one timeout),
+    and otherwise keep their memory and raise CollectiveTimeoutError.
 
     Where the channel is shared between processes this is collective
     (rendezvous.release_shared: barrier, close imports, barrier, free): call

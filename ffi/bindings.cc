@@ -24,9 +24,11 @@ namespace nb = nanobind;
 
 extern "C" XLA_FFI_Error* b12x_all_reduce_host(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* b12x_dcp_a2a_host(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* b12x_residual_rmsnorm_host(XLA_FFI_CallFrame*);
 #if defined(B12X_WITH_CUDA)
 extern "C" XLA_FFI_Error* b12x_all_reduce_cuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* b12x_dcp_a2a_cuda(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* b12x_residual_rmsnorm_cuda(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* b12x_dispatch_probe_cuda(XLA_FFI_CallFrame*);
 #endif
 
@@ -106,11 +108,13 @@ NB_MODULE(_b12x, m) {
     nb::dict cpu;
     cpu["b12x_all_reduce"] = capsule(b12x_all_reduce_host);
     cpu["b12x_dcp_a2a"] = capsule(b12x_dcp_a2a_host);
+    cpu["b12x_residual_rmsnorm"] = capsule(b12x_residual_rmsnorm_host);
     out["cpu"] = cpu;
 #if defined(B12X_WITH_CUDA)
     nb::dict cuda;
     cuda["b12x_all_reduce"] = capsule(b12x_all_reduce_cuda);
     cuda["b12x_dcp_a2a"] = capsule(b12x_dcp_a2a_cuda);
+    cuda["b12x_residual_rmsnorm"] = capsule(b12x_residual_rmsnorm_cuda);
     cuda["b12x_dispatch_probe"] = capsule(b12x_dispatch_probe_cuda);
     out["CUDA"] = cuda;
 #endif
@@ -178,8 +182,18 @@ NB_MODULE(_b12x, m) {
 
   m.def("release", [](const std::string& platform, const std::string& channel) {
     // Dropping the groups frees their memory; CUDA groups synchronise their
-    // devices first (see cuda_channel.cc).
-    return Registry::get().take(parse_platform(platform), channel).size();
+    // devices first (see cuda_channel.cc), host groups wait for their queued
+    // calls. A group with calls still queued is kept, on purpose: freeing it
+    // would let those calls write into freed memory.
+    std::vector<std::unique_ptr<ChannelGroup>> taken = Registry::get().take(parse_platform(platform), channel);
+    std::string busy;
+    for (std::unique_ptr<ChannelGroup>& group : taken) {
+      if (group->wait_idle()) continue;
+      busy = busy_message(*group);
+      (void)group.release();  // kept: see above
+    }
+    if (!busy.empty()) throw std::runtime_error(busy);
+    return taken.size();
   }, nb::arg("platform"), nb::arg("channel"),
      "Frees every group of the channel on the platform, retired or not; returns how many there were.");
 

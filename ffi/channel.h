@@ -64,6 +64,7 @@ struct ErrorRecord {
   int32_t rank;     // the rank that waited
   int32_t peer;     // the rank that did not arrive
   uint32_t epoch;   // the counter value it waited for
+  uint32_t peer_gave_up;  // 1: the peer stopped first (its own wait timed out)
 };
 inline constexpr uint32_t kErrorNone = 0;
 inline constexpr uint32_t kErrorWriting = 1;

@@ -24,6 +24,10 @@ struct alignas(16) Pack {
 };
 static_assert(sizeof(Pack) == kPackBytes);
 
+// All ones: NaN in every supported dtype. What a call that could not finish
+// leaves in its output, so a lost result never reads as a number.
+B12X_HD Pack nan_pack() { return Pack{{~0u, ~0u, ~0u, ~0u}}; }
+
 B12X_HD uint32_t f32_bits(float f) {
 #if defined(__CUDA_ARCH__)
   return __float_as_uint(f);

@@ -57,12 +57,16 @@ B12X_HD void arrive(const ChannelView& v, int block, int peer, uint32_t epoch) {
 
 // Record the first timeout of this rank and poison the channel: the claim on
 // the device-local `poisoned` word makes exactly one waiter write the record.
+// The fence orders this rank's earlier announcements before the poison, so a
+// peer that sees the poison and then looks for them finds them (poll_peer).
 template <class Mem>
-B12X_HD void record_timeout(const ChannelView& v, int peer, uint32_t epoch) {
+B12X_HD void record_timeout(const ChannelView& v, int peer, uint32_t epoch, bool peer_gave_up) {
+  Mem::fence();
   if (!Mem::claim(&v.signals[v.rank]->poisoned)) return;
   v.error->rank = v.rank;
   v.error->peer = peer;
   v.error->epoch = epoch;
+  v.error->peer_gave_up = peer_gave_up ? 1u : 0u;
   Mem::fence();
   Mem::store_release(&v.error->state, kErrorComplete);
 }
@@ -73,17 +77,44 @@ B12X_HD bool peer_arrived(const ChannelView& v, int block, int peer, uint32_t ep
   return Mem::load_acquire(&v.signals[v.rank]->flag[epoch & 1][block][peer]) == epoch;
 }
 
+enum class PeerState { kArrived, kPending, kFailed };
+
+// How long a waiter waits before it looks at its peer's poison word: that
+// is a load from the peer's memory, a round trip over the link, which a
+// call that completes in microseconds must not pay.
+inline constexpr uint64_t kPeerPoisonGraceNs = 20000;
+
+// One bounded look at `peer`, for a waiter that polls `arrived()` (a flag, or
+// Lamport data). kFailed, with the channel poisoned and the error recorded,
+// once the deadline passed or the peer poisoned the channel itself: a peer
+// whose own wait timed out announces nothing more, so its partners stop at
+// once instead of serving out a timeout each, one after the other.
+template <class Mem, class Arrived>
+B12X_HD PeerState poll_peer(const ChannelView& v, int peer, uint32_t epoch, uint64_t deadline_ns,
+                            Arrived arrived) {
+  if (arrived()) return PeerState::kArrived;
+  const uint64_t now = Mem::now_ns();
+  const bool in_grace = now + v.timeout_ns < deadline_ns + kPeerPoisonGraceNs;  // waited < grace so far
+  const bool gave_up = !in_grace && Mem::load_acquire(&v.signals[peer]->poisoned) != 0;
+  if (!gave_up && now <= deadline_ns) return PeerState::kPending;
+  if (arrived()) return PeerState::kArrived;  // it announced before giving up
+  record_timeout<Mem>(v, peer, epoch, gave_up);
+  return PeerState::kFailed;
+}
+
 // Wait, at most until `deadline_ns`, for `peer` to announce `epoch` to
-// `block`. Never spins forever (DESIGN C8): on expiry the channel is
-// poisoned, the error record names rank, peer and epoch, and false is
-// returned.
+// `block`. Never spins forever (DESIGN C8): false, with the channel poisoned
+// and the error naming rank, peer and epoch, on expiry or when the peer gave
+// up on the channel.
 template <class Mem>
 B12X_HD bool wait(const ChannelView& v, int block, int peer, uint32_t epoch, uint64_t deadline_ns) {
-  for (uint32_t spins = 1; !peer_arrived<Mem>(v, block, peer, epoch); ++spins) {
-    // Reading the clock costs more than a poll: look at it now and then.
-    if ((spins & 63) == 0 && Mem::now_ns() > deadline_ns) {
-      record_timeout<Mem>(v, peer, epoch);
-      return false;
+  const auto arrived = [&] { return peer_arrived<Mem>(v, block, peer, epoch); };
+  for (uint32_t spins = 1; !arrived(); ++spins) {
+    // The clock and the peer's poison word cost more than a poll: look at
+    // them now and then.
+    if ((spins & 63) == 0) {
+      const PeerState state = poll_peer<Mem>(v, peer, epoch, deadline_ns, arrived);
+      if (state != PeerState::kPending) return state == PeerState::kArrived;
     }
     Mem::pause();
   }

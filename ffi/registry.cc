@@ -1,6 +1,7 @@
 #include "registry.h"
 
 #include <cstdio>
+#include <stdexcept>
 
 namespace b12x {
 
@@ -64,7 +65,10 @@ size_t Registry::retire(Platform platform, std::string_view channel) {
   }
   // Outside the lock: closing waits for the device, and handlers of other
   // channels must still find theirs meanwhile.
-  for (ChannelGroup* group : closing) group->close_imports();
+  for (ChannelGroup* group : closing) {
+    if (!group->wait_idle()) throw std::runtime_error(busy_message(*group));
+    group->close_imports();
+  }
   return closing.size();
 }
 
@@ -95,13 +99,27 @@ ChannelView base_view(const ChannelOptions& options, int world, int blocks) {
 
 std::string timeout_message(const ChannelGroup& group, int rank) {
   const ErrorRecord& record = group.error_record(rank);
-  char text[512];
-  std::snprintf(text, sizeof(text),
-                "b12x_jax: channel '%s' rank %d timed out after %.3g s at epoch %u waiting for "
-                "rank %d, which did not arrive. The channel is poisoned: release it "
-                "(Communicator.release) and prepare it again; raise timeout_s if the peer is only slow.",
-                group.channel().c_str(), record.rank, group.options().timeout_s, record.epoch, record.peer);
+  char text[640];
+  if (record.peer_gave_up) {
+    std::snprintf(text, sizeof(text),
+                  "b12x_jax: channel '%s' rank %d stopped at epoch %u: rank %d gave up on the channel (its own "
+                  "wait timed out; its error names the rank that did not arrive). The channel is poisoned: "
+                  "release it (Communicator.release) and prepare it again.",
+                  group.channel().c_str(), record.rank, record.epoch, record.peer);
+  } else {
+    std::snprintf(text, sizeof(text),
+                  "b12x_jax: channel '%s' rank %d timed out after %.3g s at epoch %u waiting for "
+                  "rank %d, which did not arrive. The channel is poisoned: release it "
+                  "(Communicator.release) and prepare it again; raise timeout_s if the peer is only slow.",
+                  group.channel().c_str(), record.rank, group.options().timeout_s, record.epoch, record.peer);
+  }
   return text;
+}
+
+std::string busy_message(const ChannelGroup& group) {
+  return "b12x_jax: channel '" + group.channel() + "' still has calls queued " +
+         std::to_string(2 * group.options().timeout_s + 1) + " s after it was taken out of use; its memory is "
+         "kept (a queued call may still touch it). Block on the results of its calls before releasing it.";
 }
 
 std::string pending_error(const ChannelGroup& group, int rank) {

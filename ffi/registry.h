@@ -66,6 +66,13 @@ class ChannelGroup {
   // barriers). Nothing to do for a group held by one process.
   virtual void close_imports() {}
 
+  // Waits, bounded, until no work of this process queued before the group
+  // was taken out of use can still touch its memory; false if some still
+  // can (the caller must then keep the memory). Host groups wait for the
+  // progress thread (cpu/progress.h); CUDA groups synchronise their devices
+  // when they close or free instead.
+  virtual bool wait_idle() const { return true; }
+
   // Host-readable copies of rank `rank`'s state, for stats and errors.
   // read_calls: collectives block 0 of the rank completed (every call has a
   // block 0), barrier and Lamport calls together.
@@ -98,8 +105,9 @@ class Registry {
   std::string add(std::unique_ptr<ChannelGroup> group);
   RankHandle find(Platform platform, std::string_view channel, int ordinal) const;
   // Takes every group of `channel` on `platform` out of use (handlers no
-  // longer find it) and closes its imports; its own memory stays until
-  // `take`. Returns how many groups it retired.
+  // longer find it), waits until it is idle and closes its imports; its own
+  // memory stays until `take`. Returns how many groups it retired; throws
+  // std::runtime_error, imports left open, where work is still queued.
   size_t retire(Platform platform, std::string_view channel);
   // Removes and returns every group of `channel` on `platform`, retired or not.
   std::vector<std::unique_ptr<ChannelGroup>> take(Platform platform, std::string_view channel);
@@ -115,6 +123,8 @@ class Registry {
 std::string timeout_message(const ChannelGroup& group, int rank);
 // Set when `rank`'s record is complete: the message for it.
 std::string pending_error(const ChannelGroup& group, int rank);
+// Why a group that is not idle (ChannelGroup::wait_idle) keeps its memory.
+std::string busy_message(const ChannelGroup& group);
 std::string unprepared_message(std::string_view op, std::string_view channel, int ordinal);
 
 }  // namespace b12x

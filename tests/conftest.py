@@ -53,8 +53,10 @@ def multiprocess():
   """Runs one tests/mp_workers.py MODE per process, ``n`` processes joined by
   ``jax.distributed`` on 127.0.0.1, one device each; kills every one still
   running after ``hard_timeout`` seconds, and returns their RESULTs in
-  process order (asserting each exited 0 with one)."""
-  def run(mode: str, n: int = 2, *args: str, platform: str = "cpu", hard_timeout: float = 120.0) -> list[dict]:
+  process order (asserting each exited 0 with one; the processes in
+  ``killed`` must have died of SIGKILL instead, and give None)."""
+  def run(mode: str, n: int = 2, *args: str, platform: str = "cpu", hard_timeout: float = 120.0,
+          killed: tuple[int, ...] = ()) -> list[dict | None]:
     port = str(_free_port())
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not this process's 4 emulated devices
     procs = [subprocess.Popen([sys.executable, MP_WORKERS, mode, "--process-id", str(i), "--num-processes", str(n),
@@ -73,6 +75,10 @@ def multiprocess():
       outputs.append(p.communicate())
     results = []
     for i, (proc, (out, err)) in enumerate(zip(procs, outputs)):
+      if i in killed:  # the mode kills this process on purpose
+        assert not timed_out and proc.returncode == -9, f"process {i} of {mode}: rc={proc.returncode}\n{err[-3000:]}"
+        results.append(None)
+        continue
       lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
       assert not timed_out and proc.returncode == 0 and lines, \
           f"process {i} of {mode}: rc={proc.returncode} timed_out={timed_out}\n{err[-3000:]}"

@@ -17,10 +17,11 @@ RTOL = {"float32": 1e-6, "bfloat16": 8e-3, "float16": 1e-3}
 @contextlib.contextmanager
 def fresh_communicator(**options):
   """A new Communicator with ``options`` for the block (the current one is
-  closed first: one communicator holds channels at a time), then a default."""
+  closed first: one communicator holds channels at a time), then a default.
+  Options the constructor rejects raise before anything is closed."""
   import b12x_jax
-  b12x_jax.get_communicator().close()
   comm = b12x_jax.Communicator(**options)
+  b12x_jax.get_communicator().close()
   b12x_jax.set_communicator(comm)
   try:
     yield comm
@@ -114,3 +115,30 @@ def assert_merge_matches(got_out: np.ndarray, got_lse: np.ndarray | None, outs: 
       assert np.array_equal(np.isneginf(got_lse[r]), np.isneginf(want)), f"rank {r}: -inf lse differs"
       finite = np.isfinite(want)
       np.testing.assert_allclose(got_lse[r][finite], want[finite], rtol=1e-5, atol=1e-5, err_msg=f"rank {r}")
+
+
+# -- all_reduce_residual_rmsnorm -------------------------------------------------------------------------
+
+
+def assert_residual_rmsnorm_matches(normed: np.ndarray, new_residual: np.ndarray, shards: np.ndarray,
+                                    residual: np.ndarray, weight: np.ndarray, eps: float, dtype_name: str) -> None:
+  """Every rank's results ([n, rows, hidden] each) against float64: the new
+  residual within one rounding of sum(shards) + residual, the normed output
+  within two roundings of the RMSNorm of the returned residual (the value
+  the op normalises); no NaN; all ranks hold identical bits."""
+  want = shards.astype(np.float64).sum(axis=0) + residual.astype(np.float64)
+  scale = np.abs(shards.astype(np.float64)).sum(axis=0) + np.abs(residual.astype(np.float64)) + 1e-30
+  w = weight.astype(np.float64)
+  for r in range(normed.shape[0]):
+    got_res = new_residual[r].astype(np.float64)
+    got = normed[r].astype(np.float64)
+    assert np.all(np.isfinite(got_res)) and np.all(np.isfinite(got)), f"rank {r}: non-finite output"
+    err = np.abs(got_res - want) / scale
+    assert err.max() <= RTOL[dtype_name], f"rank {r}: residual error {err.max()} > {RTOL[dtype_name]}"
+    ref = got_res / np.sqrt(np.mean(got_res * got_res, axis=-1, keepdims=True) + eps) * w
+    bound = 2 * RTOL[dtype_name] * (np.abs(ref) + 1e-3 * np.abs(ref).max(axis=-1, keepdims=True)) + 1e-30
+    assert np.all(np.abs(got - ref) <= bound), f"rank {r}: normed error {np.abs(got - ref).max()}"
+  for name, got in (("normed", normed), ("residual", new_residual)):
+    first = np.ascontiguousarray(got[0]).view(np.uint8)
+    for r in range(1, got.shape[0]):
+      assert np.array_equal(first, np.ascontiguousarray(got[r]).view(np.uint8)), f"{name}: rank {r} differs in bits"

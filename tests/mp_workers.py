@@ -267,9 +267,53 @@ def exit_pending_mode(args) -> dict:
   return {"dispatched": True}
 
 
+def killed_peer_mode(args) -> dict:
+  """Process 1 runs a few calls and is killed (SIGKILL) mid-run; process 0
+  keeps calling and must raise the timeout error within the timeout, and
+  never return a wrong number. It then leaves through os._exit after
+  printing its result: the collective close would wait setup_timeout_s for
+  the dead peer, and jax.distributed's shutdown aborts the process then."""
+  import signal
+
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  from helpers import assert_sum_matches, random_shards
+  b12x_jax.set_communicator(b12x_jax.Communicator(timeout_s=args.timeout))
+  mesh = _mesh()
+  ours = _reducer(mesh, b12x_jax.all_reduce)
+  rng = np.random.default_rng(9)
+  me, calls_before_kill = jax.process_index(), 3
+  done, message, wrong, start = 0, None, 0, None
+  with b12x_jax.channel("mortal"):
+    for call in range(calls_before_kill + 5):
+      shards = random_shards(rng, jax.device_count(), 4096, np.float32)
+      if me == 1 and call == calls_before_kill:
+        os.kill(os.getpid(), signal.SIGKILL)
+      x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), shards[me])
+      start = time.monotonic()
+      try:
+        got = np.asarray(ours(x).addressable_shards[0].data)
+        b12x_jax.check_errors()  # on CUDA a timed-out kernel leaves NaN and this record
+      except Exception as e:  # noqa: BLE001 - CPU raises from the call (an XLA runtime error), CUDA from check_errors
+        message = str(e)
+        break
+      try:
+        assert_sum_matches(got[None], shards, "float32")
+        done += 1
+      except AssertionError:
+        wrong += int(np.isfinite(got).all())  # NaN is the failed-call marker, a finite mismatch is not
+  print("RESULT " + json.dumps({"done": done, "message": message, "wrong": wrong,
+                                "seconds": time.monotonic() - start}), flush=True)
+  os._exit(0)
+
+
 MODES = {"all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
          "never_joins": never_joins_mode, "close_twice": close_twice_mode, "throwaway": throwaway_mode,
-         "exit_pending": exit_pending_mode}
+         "exit_pending": exit_pending_mode, "killed_peer": killed_peer_mode}
 
 
 def main() -> None:
@@ -280,6 +324,7 @@ def main() -> None:
   parser.add_argument("--port", type=int, required=True)
   parser.add_argument("--platform", default="cpu", choices=["cpu", "gpu"])
   parser.add_argument("--setup-timeout", type=float, default=3.0)
+  parser.add_argument("--timeout", type=float, default=2.0)
   args = parser.parse_args()
   sys.path.insert(0, os.path.dirname(__file__))
   _setup(args)

@@ -144,7 +144,7 @@ def test_communicator_rejects_bad_settings():
     b12x_jax.Communicator(capacity_bytes=100)
   with pytest.raises(ValueError, match="policy must be one of"):
     b12x_jax.Communicator(policy="fast")
-  with pytest.raises(ValueError, match="timeout_s must be > 0"):
+  with pytest.raises(ValueError, match="timeout_s must be a number of seconds > 0"):
     b12x_jax.Communicator(timeout_s=0)
   with pytest.raises(ValueError, match="lamport_bytes must be a non-negative multiple of 16"):
     b12x_jax.Communicator(lamport_bytes=-16)
@@ -199,3 +199,24 @@ def test_a_group_whose_transport_fails_lowers_to_psum_or_raises_under_strict(cpu
         _per_rank(mesh)(jax.device_put(shards.reshape(-1), NamedSharding(mesh, P("x"))))
   finally:
     comm.policy = "auto"
+
+
+def test_the_environment_switch_forces_the_psum_path(cpu_mesh, monkeypatch):
+  monkeypatch.setenv("B12X_JAX_POLICY", "psum")
+  mesh = cpu_mesh(2)
+  shards = random_shards(np.random.default_rng(12), 2, 64, np.float32)
+  with fresh_communicator() as comm, b12x_jax.channel("switched-off"):
+    assert comm.policy == "psum"
+    fn = _per_rank(mesh)
+    assert "b12x_all_reduce" not in fn.lower(jax.device_put(shards.reshape(-1), NamedSharding(mesh, P("x")))).as_text()
+    assert_sum_matches(_run(fn, mesh, shards), shards, "float32", roundings=2)
+    assert comm.decisions[-1].path == "psum" and "policy 'psum'" in comm.decisions[-1].reason
+    monkeypatch.delenv("B12X_JAX_POLICY")  # before fresh_communicator's exit makes the next default one
+  monkeypatch.setenv("B12X_JAX_POLICY", "fast")
+  with pytest.raises(ValueError, match=r"Communicator: environment variable B12X_JAX_POLICY must be one of"):
+    b12x_jax.Communicator()
+
+
+def test_close_with_calls_still_queued_finishes_them_or_they_raise_clear_errors():
+  result = run_worker("close_pending", "--runs", "40")
+  assert result["right"] + result["failed"] == 40 and result["right"] > 0 and result["prepared"] == [], result

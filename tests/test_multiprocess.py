@@ -59,3 +59,11 @@ def test_a_throwaway_channel_is_released_after_success_and_failure_and_prepared_
 
 def test_exit_with_pending_work_releases_collectively_without_crashing_peers(multiprocess):
   assert multiprocess("exit_pending") == [{"dispatched": True}] * 2
+
+
+def test_a_peer_killed_mid_run_makes_the_survivor_raise_within_the_timeout(multiprocess):
+  survivor, killed = multiprocess("killed_peer", 2, "--timeout", "2", killed=(1,))
+  assert killed is None and survivor["done"] == 3 and survivor["wrong"] == 0, survivor
+  assert re.search(r"channel 'mortal' rank 0 timed out after 2 s at epoch 4 waiting for rank 1",
+                   survivor["message"]), survivor
+  assert survivor["seconds"] < 2 + 5, survivor

@@ -46,3 +46,11 @@ def test_throwaway_channel_and_close_on_gpus(multiprocess):
 
 def test_exit_with_pending_work_on_gpus(multiprocess):
   assert multiprocess("exit_pending", platform="gpu", hard_timeout=300) == [{"dispatched": True}] * 2
+
+
+def test_a_gpu_peer_killed_mid_run_makes_the_survivor_raise_within_the_timeout(multiprocess):
+  survivor, killed = multiprocess("killed_peer", 2, "--timeout", "2", platform="gpu", hard_timeout=300, killed=(1,))
+  assert killed is None and survivor["done"] == 3 and survivor["wrong"] == 0, survivor
+  assert re.search(r"channel 'mortal' rank 0 timed out after 2 s at epoch 4 waiting for rank 1",
+                   survivor["message"]), survivor
+  assert survivor["seconds"] < 2 + 5, survivor

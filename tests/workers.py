@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -144,20 +145,223 @@ def dcp_mode(args) -> dict:
   return {"epoch": epoch, "expected": 2 * len(batches) * args.runs, "paths": paths}
 
 
+def torture_mode(args) -> dict:
+  """tests/torture.py on the first ``devices`` devices with poison_outputs
+  (an element no kernel wrote is NaN and fails its check): random programs
+  on channels "target" and "draft" until ``calls`` collective calls were
+  checked. Returns its counts."""
+  import jax
+
+  import b12x_jax
+  sys.path.insert(0, os.path.dirname(__file__))
+  from torture import run_torture
+
+  b12x_jax.set_communicator(b12x_jax.Communicator(poison_outputs=True))
+  mesh = jax.make_mesh((args.devices,), ("x",), devices=jax.devices()[:args.devices])
+  result = run_torture(mesh, "x", seed=args.seed, calls=args.calls, programs=args.programs)
+  b12x_jax.check_errors()
+  return result
+
+
+def _crossed(mesh):
+  """Rank 0 runs a "target" then a "draft" all-reduce, rank 1 "draft" then
+  "target": each waits for a call its peer queued behind the other one."""
+  import jax
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+
+  def in_order(first, second):
+    def run(x):
+      a = b12x_jax.all_reduce(x, "x", channel=first)
+      return a, b12x_jax.all_reduce(x + 0 * a, "x", channel=second)  # issued after the first
+    return run
+
+  def body(x):
+    a, b = jax.lax.cond(jax.lax.axis_index("x") == 0, in_order("target", "draft"), in_order("draft", "target"), x)
+    return a, b
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=(P("x"), P("x")), check_vma=False))
+
+
+def cross_mode(args) -> dict:
+  """Collectives of two channels queued in opposite orders on the two ranks
+  (what two threads dispatching target and draft may cause): the result
+  must be the timeout error naming both channels, within one timeout (a
+  rank whose peer gave up stops at once), never a number; after releasing
+  the two channels they work again."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  sys.path.insert(0, os.path.dirname(__file__))
+  from helpers import assert_sum_matches, random_shards
+
+  comm = b12x_jax.Communicator(timeout_s=args.timeout, poison_outputs=True)
+  b12x_jax.set_communicator(comm)
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+  shards = random_shards(np.random.default_rng(args.seed), 2, 1024, np.float32)
+  x = jax.device_put(shards.reshape(-1), NamedSharding(mesh, P("x")))
+  crossed = _crossed(mesh)
+  messages, finite = [], None
+  start = time.monotonic()
+  try:
+    outs = [np.asarray(o) for o in crossed(x)]
+    finite = bool(any(np.isfinite(o).any() for o in outs))
+  except Exception as e:  # noqa: BLE001 - CPU raises from the call
+    messages.append(str(e))
+  try:
+    b12x_jax.check_errors()
+  except b12x_jax.CollectiveTimeoutError as e:
+    messages.append(str(e))
+  seconds = time.monotonic() - start
+  for name in ("target", "draft"):
+    comm.release(name)
+  comm.prepare(mesh, "x", channels=["target", "draft"])
+  reducer = jax.jit(jax.shard_map(lambda v: b12x_jax.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  for name in ("target", "draft"):
+    with b12x_jax.channel(name):
+      assert_sum_matches(np.asarray(reducer(x)).reshape(2, -1), shards, "float32")
+  b12x_jax.check_errors()
+  return {"messages": messages, "finite": finite, "seconds": seconds}
+
+
+def race_mode(args) -> dict:
+  """Two host threads dispatch the "target" and the "draft" executables
+  ``runs`` times each, so the devices may queue them in different orders.
+  Every output is classified: right, NaN (a call that could not finish), or
+  wrong (finite and not the sum: must never happen). Errors raised in the
+  threads and by check_errors() are returned for the test to read."""
+  import threading
+
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  sys.path.insert(0, os.path.dirname(__file__))
+  from helpers import random_shards
+
+  b12x_jax.set_communicator(b12x_jax.Communicator(timeout_s=args.timeout, poison_outputs=True))
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+  rng = np.random.default_rng(args.seed)
+  sizes = [64, 4096, 1 << 18]  # Lamport path, and the barrier path above 1 MiB of float32
+
+  def body(*xs):
+    return tuple(b12x_jax.all_reduce(v, "x") for v in xs)
+
+  specs = (P("x"),) * len(sizes)
+  programs = {}
+  for name in ("target", "draft"):
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs))
+    inputs = [[random_shards(rng, 2, s, np.float32) for s in sizes] for _ in range(4)]
+    placed = [[jax.device_put(a.reshape(-1), NamedSharding(mesh, P("x"))) for a in case] for case in inputs]
+    wants = [[a.astype(np.float64).sum(axis=0) for a in case] for case in inputs]
+    with b12x_jax.channel(name):
+      jax.block_until_ready(fn(*placed[0]))  # compiled here, on its channel
+    programs[name] = (fn, placed, wants)
+
+  outcomes = {"right": 0, "nan": 0, "wrong": 0}
+  errors: list[str] = []
+  lock = threading.Lock()
+
+  def classify(outs, want_case) -> None:
+    for out, want in zip(outs, want_case):
+      got = np.asarray(out).reshape(2, -1).astype(np.float64)
+      if np.isnan(got).any():
+        kind = "nan"
+      else:
+        kind = "right" if all(np.allclose(g, want, rtol=1e-5, atol=1e-5) for g in got) else "wrong"
+      with lock:
+        outcomes[kind] += 1
+
+  def dispatch(name: str) -> None:
+    fn, placed, wants = programs[name]
+    pending = []
+    try:
+      for i in range(args.runs):
+        pending.append((fn(*placed[i % 4]), wants[i % 4]))
+        if args.platform == "cpu" or len(pending) > 32:  # XLA:CPU: block between executions (README)
+          classify(*pending.pop(0))
+      for outs, want_case in pending:
+        classify(outs, want_case)
+    except Exception as e:  # noqa: BLE001 - the test reads the text
+      with lock:
+        errors.append(f"{name}: {e}")
+
+  threads = [threading.Thread(target=dispatch, args=(name,)) for name in programs]
+  start = time.monotonic()
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  try:
+    b12x_jax.check_errors()
+  except b12x_jax.CollectiveTimeoutError as e:
+    errors.append(f"check_errors: {e}")
+  return {**outcomes, "errors": errors, "seconds": time.monotonic() - start, "calls": 2 * args.runs * len(sizes)}
+
+
+def close_pending_mode(args) -> dict:
+  """``runs`` calls dispatched without waiting, then close() at once. close
+  waits for the calls that reached the library (queued on the progress
+  thread or a GPU stream): none may touch freed memory. A call XLA had not
+  started yet finds its channel gone and raises the "not prepared" error,
+  and its peer rank, if already queued, the timeout error. So every result
+  is right or one of these errors, never a wrong number or a crash; a
+  second close() is harmless."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  sys.path.insert(0, os.path.dirname(__file__))
+  from helpers import assert_sum_matches, random_shards
+
+  comm = b12x_jax.Communicator(poison_outputs=True, timeout_s=args.timeout)
+  b12x_jax.set_communicator(comm)
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+  fn = jax.jit(jax.shard_map(lambda v: b12x_jax.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  rng = np.random.default_rng(args.seed)
+  cases = [random_shards(rng, 2, 4096, np.float32) for _ in range(args.runs)]
+  with b12x_jax.channel("closing"):
+    outs = [fn(jax.device_put(c.reshape(-1), NamedSharding(mesh, P("x")))) for c in cases]  # not waited for
+  comm.close()
+  comm.close()
+  right, failed = 0, 0
+  for c, out in zip(cases, outs):
+    try:
+      got = np.asarray(out).reshape(2, -1)
+    except Exception as e:  # noqa: BLE001 - only the two clear errors are allowed
+      assert re.search(r"channel 'closing' (is not prepared on device|rank \d timed out)", str(e)), e
+      failed += 1
+      continue
+    assert_sum_matches(got, c, "float32")
+    right += 1
+  return {"right": right, "failed": failed, "prepared": sorted(comm.prepared_channels())}
+
+
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("mode", choices=["timeout", "graphs", "dcp"])
+  parser.add_argument("mode", choices=["timeout", "graphs", "dcp", "torture", "cross", "race", "close_pending"])
   parser.add_argument("--platform", default="cpu")
   parser.add_argument("--devices", type=int, default=2)
   parser.add_argument("--timeout", type=float, default=1.0)
   parser.add_argument("--runs", type=int, default=200)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--calls", type=int, default=1000)
+  parser.add_argument("--programs", type=int, default=12)
   parser.add_argument("--lamport-bytes", type=int, default=1 << 20)
   parser.add_argument("--op", choices=["all_reduce", "dcp_a2a"], default="all_reduce")
   parser.add_argument("--xla-flags", default="")
   args = parser.parse_args()
   _setup(args.platform, args.devices, args.xla_flags)
-  result = {"timeout": timeout_mode, "graphs": graphs_mode, "dcp": dcp_mode}[args.mode](args)
+  result = {"timeout": timeout_mode, "graphs": graphs_mode, "dcp": dcp_mode,
+            "torture": torture_mode, "cross": cross_mode, "race": race_mode,
+            "close_pending": close_pending_mode}[args.mode](args)
   print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
@@ -25,7 +26,7 @@ _LSE_BYTES = 4
 # -- validation -----------------------------------------------------------------
 
 
-def _check_operands(out, lse, lse_base: str) -> tuple[jax.Array, jax.Array]:
+def _check_operands(out, lse, lse_base: str, return_lse) -> tuple[jax.Array, jax.Array]:
   for arg, x in (("out", out), ("lse", lse)):
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
       raise TypeError(f"b12x_jax.{_OP}: {arg} must be an array, got {type(x).__name__}")
@@ -41,6 +42,8 @@ def _check_operands(out, lse, lse_base: str) -> tuple[jax.Array, jax.Array]:
                      f"got {lse.shape}")
   if lse.dtype != jnp.float32:
     raise TypeError(f"b12x_jax.{_OP}: lse must be float32, got {lse.dtype.name}; cast it (lse.astype(jnp.float32))")
+  if not isinstance(return_lse, (bool, np.bool_)):
+    raise TypeError(f"b12x_jax.{_OP}: return_lse must be a bool, got {return_lse!r}")
   if lse_base not in _LSE_BASES:
     raise ValueError(f"b12x_jax.{_OP}: lse_base must be 'e' (natural log) or '2' (log2), got {lse_base!r}")
   return out, lse
@@ -91,7 +94,8 @@ def dcp_a2a(out, lse, axis_name: str, *, return_lse: bool = False, lse_base: str
   "auto") or an IneligibleError (policy "strict"). The choice is recorded
   in ``get_communicator().decisions``.
   """
-  out, lse = _check_operands(out, lse, lse_base)
+  out, lse = _check_operands(out, lse, lse_base, return_lse)
+  return_lse = bool(return_lse)
   size = axis_size(axis_name, _OP)
   batch, heads, dim = out.shape
   _check_heads(heads, size, axis_name)
@@ -103,7 +107,8 @@ def dcp_a2a(out, lse, axis_name: str, *, return_lse: bool = False, lse_base: str
     comm = get_communicator()
     row_bytes = dim * out.dtype.itemsize
     staged = _staged_bytes(batch * heads // size, row_bytes, comm.max_blocks or _MAX_BLOCKS)
-    decision = comm.choose_path(_OP, name, row_bytes, out.dtype, size, unit="row of out", staged_bytes=staged,
+    decision = comm.choose_path(_OP, name, row_bytes, out.dtype, size, unit="row of out", arg="out",
+                                staged_bytes=staged, shrink="split the batch B of out into smaller calls",
                                 fallback=_FALLBACK)
     if decision.path == "b12x":
       results = dcp_a2a_p.bind(out, lse, axis_name=axis_name, channel=name, base2=base2, return_lse=return_lse)

@@ -7,6 +7,7 @@
 
 #include "../protocol.h"
 #include "host_memory.h"
+#include "progress.h"
 
 namespace b12x {
 namespace {
@@ -46,6 +47,7 @@ class HostGroup final : public ChannelGroup {
 
   uint32_t read_calls(int rank) const override { return read_host_calls(views_[rank]); }
   bool read_poisoned(int rank) const override { return read_host_poisoned(views_[rank]); }
+  bool wait_idle() const override { return wait_host_calls(this, host_idle_bound_s(options_)); }
 
  private:
   std::vector<void*> allocations_;

@@ -1,5 +1,6 @@
 #include "progress.h"
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -25,6 +26,20 @@ class ProgressEngine {
   static ProgressEngine& get() {
     static ProgressEngine* engine = new ProgressEngine();  // lives until exit: calls may be in flight
     return *engine;
+  }
+
+  bool wait_idle(const ChannelGroup* group, double seconds) {
+    const uint64_t deadline = HostMem::now_ns() + static_cast<uint64_t>(seconds * 1e9);
+    std::unique_lock lock(mutex_);
+    for (;;) {
+      bool busy = false;
+      for (const auto& [key, queue] : queues_) busy |= key.first == group && !queue.empty();
+      if (!busy) return true;
+      if (HostMem::now_ns() > deadline) return false;
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      lock.lock();
+    }
   }
 
   void submit(HostCall call) {
@@ -74,10 +89,13 @@ class ProgressEngine {
       p.staged = true;
     }
     for (int peer = 0; peer < v.world; ++peer) {
-      if (peer == v.rank || peer_arrived<HostMem>(v, 0, peer, p.call.epoch)) continue;
-      if (HostMem::now_ns() <= p.deadline_ns) return false;
-      record_timeout<HostMem>(v, peer, p.call.epoch);
-      return fail(p, timeout_message(*p.call.handle.group, p.call.handle.rank));
+      if (peer == v.rank) continue;
+      const auto arrived = [&] { return peer_arrived<HostMem>(v, 0, peer, p.call.epoch); };
+      switch (poll_peer<HostMem>(v, peer, p.call.epoch, p.deadline_ns, arrived)) {
+        case PeerState::kArrived: continue;
+        case PeerState::kPending: return false;
+        case PeerState::kFailed: return fail(p, timeout_message(*p.call.handle.group, p.call.handle.rank));
+      }
     }
     p.call.finish(v, p.call.epoch);
     complete(std::move(p.call.promise), std::nullopt);
@@ -111,5 +129,9 @@ class ProgressEngine {
 }  // namespace
 
 void submit_host_call(HostCall call) { ProgressEngine::get().submit(std::move(call)); }
+
+bool wait_host_calls(const ChannelGroup* group, double seconds) {
+  return ProgressEngine::get().wait_idle(group, seconds);
+}
 
 }  // namespace b12x

@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "host_channel.h"
+#include "progress.h"
 
 namespace b12x {
 namespace {
@@ -90,6 +91,7 @@ class ShmGroup final : public SharedGroup {
 
   uint32_t read_calls(int rank) const override { return read_host_calls(views_[rank]); }
   bool read_poisoned(int rank) const override { return read_host_poisoned(views_[rank]); }
+  bool wait_idle() const override { return wait_host_calls(this, host_idle_bound_s(options_)); }
 
  private:
   // "/b12x.<pid>.<n>.r<rank>": unique on the host while this process lives.

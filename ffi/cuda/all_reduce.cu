@@ -35,12 +35,13 @@ template <DType D>
 __global__ void __launch_bounds__(kThreads)
     one_shot_all_reduce(ChannelView v, const Pack* __restrict__ in, Pack* __restrict__ out, size_t packs,
                         size_t per_block) {
-  if (channel_poisoned<CudaMem>(v)) return;  // a timed-out channel fails fast (C8)
   const int block = blockIdx.x;
-  const uint32_t epoch = next_epoch<CudaMem>(v, block);
-  const int slot = epoch & 1;
   const size_t lo = block * per_block;
   const size_t n = lo < packs ? min(per_block, packs - lo) : 0;
+  // A timed-out channel fails fast (C8), leaving NaN, never a stale result.
+  if (channel_poisoned<CudaMem>(v)) return fill_nan(out + lo, n);
+  const uint32_t epoch = next_epoch<CudaMem>(v, block);
+  const int slot = epoch & 1;
 
   // 1. Push this rank's part into its cell on every peer: remote stores are
   //    posted, so the peers' reads below stay local.
@@ -59,7 +60,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   // 2. Meet the peers (C6); on a timeout nothing staged may be read.
-  if (!block_barrier(v, block, epoch)) return;
+  if (!block_barrier(v, block, epoch)) return fill_nan(out + lo, n);
 
   // 3. Reduce the sources in rank order (C9). Staged cells are read through
   //    L2 (.cg): L1 is not coherent with the peers' writes.
@@ -93,77 +94,17 @@ template <DType D>
 __global__ void __launch_bounds__(kThreads)
     lamport_all_reduce(ChannelView v, const Pack* __restrict__ in, Pack* __restrict__ out, size_t packs,
                        size_t per_block) {
-  if (channel_poisoned<CudaMem>(v)) return;
-  const int block = blockIdx.x;
-  Signal* own = v.signals[v.rank];
-  // Written by this block's previous call, an earlier kernel on this stream.
-  const uint32_t call = own->lamport_calls[block];
-  const int buffer = call % kLamportBuffers;
-  const size_t lo = block * per_block;
+  const size_t lo = blockIdx.x * per_block;
   const size_t n = lo < packs ? min(per_block, packs - lo) : 0;
-  const auto cell = [&](int owner, int buf, int source) {
-    return reinterpret_cast<Pack*>(v.lamport[owner] + v.lamport_layout.cell_offset(buf, source, block));
-  };
-
-  // 1. Push this rank's part into its cell of every peer's buffer.
-  for (size_t i = threadIdx.x; i < n; i += kThreads) {
-    const Pack x = lamport_encode(in[lo + i]);
-#pragma unroll
-    for (int p = 0; p < kMaxRanks; ++p) {
-      if (p < v.world && p != v.rank) cell(p, buffer, v.rank)[i] = x;
-    }
-  }
-
-  // 2. Poll each source's pack until every word arrived, then reduce in rank
-  //    order (C9). Bounded like every wait on a peer (C8); one timed-out
-  //    thread stops the block (volatile: read while others may write it).
-  __shared__ volatile int timed_out;
-  if (threadIdx.x == 0) timed_out = 0;
-  __syncthreads();
-  const uint64_t deadline = CudaMem::now_ns() + v.timeout_ns;
-  for (size_t i = threadIdx.x; i < n && !timed_out; i += kThreads) {
-    Pack staged[kMaxRanks];
-#pragma unroll
-    for (int q = 0; q < kMaxRanks; ++q) {
-      if (q >= v.world) continue;
-      if (q == v.rank) {
-        staged[q] = in[lo + i];
-        continue;
-      }
-      const Pack* src = cell(v.rank, buffer, q) + i;
-      staged[q] = load_volatile(src);
-      for (uint32_t spins = 1; !lamport_arrived(staged[q]); ++spins) {
-        if ((spins & 63) == 0 && CudaMem::now_ns() > deadline) {
-          record_timeout<CudaMem>(v, q, next_epoch<CudaMem>(v, block) + call);
-          timed_out = 1;
-          break;
-        }
-        staged[q] = load_volatile(src);
-      }
-    }
-    if (timed_out) break;
+  const bool done = lamport_exchange<kThreads>(v, in + lo, n, [&](size_t i, const Pack* staged) {
     float acc[Elements<D>::kCount] = {};
 #pragma unroll
     for (int q = 0; q < kMaxRanks; ++q) {
       if (q < v.world) accumulate<D>(acc, staged[q]);
     }
     out[lo + i] = round_pack<D>(acc);
-  }
-
-  // 3. Refill the cells this block read in its previous call, then count.
-  const int previous = (call + kLamportBuffers - 1) % kLamportBuffers;
-  const uint32_t previous_packs = own->lamport_packs[block];
-  for (size_t i = threadIdx.x; i < previous_packs; i += kThreads) {
-#pragma unroll
-    for (int q = 0; q < kMaxRanks; ++q) {
-      if (q < v.world && q != v.rank) cell(v.rank, previous, q)[i] = lamport_empty_pack();
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x == 0 && !timed_out) {
-    own->lamport_calls[block] = call + 1;
-    own->lamport_packs[block] = static_cast<uint32_t>(n);
-  }
+  });
+  if (!done) fill_nan(out + lo, n);
 }
 
 int grid_for(size_t bytes, const StagingLayout& layout, size_t bytes_per_block) {

@@ -2,6 +2,7 @@
 // that stage, meet and read in one launch.
 #pragma once
 
+#include "../numeric.h"
 #include "../protocol.h"
 #include "cuda_memory.cuh"
 
@@ -24,6 +25,12 @@ __device__ __forceinline__ bool block_barrier(const ChannelView& v, int block, u
   }
   __syncthreads();
   return timed_out == 0;
+}
+
+// What a block leaves in its `n` output packs when its call cannot finish
+// (poisoned channel, timed-out wait): NaN, so a lost result is never silent.
+__device__ __forceinline__ void fill_nan(Pack* out, size_t n) {
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) out[i] = nan_pack();
 }
 
 }  // namespace b12x

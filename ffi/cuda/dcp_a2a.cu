@@ -32,13 +32,20 @@ template <DType D>
 __global__ void __launch_bounds__(kThreads)
     dcp_a2a_kernel(ChannelView v, DcpShape s, int per_block, const Pack* __restrict__ in,
                    const float* __restrict__ in_lse, Pack* __restrict__ out, float* __restrict__ out_lse) {
-  if (channel_poisoned<CudaMem>(v)) return;  // a timed-out channel fails fast (C8)
   const int block = blockIdx.x;
-  const uint32_t epoch = next_epoch<CudaMem>(v, block);
-  const int slot = epoch & 1;
   const int row_packs = s.row_packs;
   const int lo = block * per_block;
   const int n = lo < s.rows() ? min(per_block, s.rows() - lo) : 0;
+  // A call that cannot finish leaves NaN in its rows, never a stale result.
+  const auto fail = [&] {
+    fill_nan(out + static_cast<size_t>(lo) * row_packs, static_cast<size_t>(n) * row_packs);
+    if (out_lse != nullptr) {
+      for (int i = threadIdx.x; i < n; i += kThreads) out_lse[lo + i] = __int_as_float(-1);
+    }
+  };
+  if (channel_poisoned<CudaMem>(v)) return fail();  // a timed-out channel fails fast (C8)
+  const uint32_t epoch = next_epoch<CudaMem>(v, block);
+  const int slot = epoch & 1;
   const DcpCell cell{per_block, row_packs};
 
   // 1. Push to every peer p the rows of p's heads into this rank's cell on
@@ -58,7 +65,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   // 2. Meet the peers (C6); on a timeout nothing staged may be read.
-  if (!block_barrier(v, block, epoch)) return;
+  if (!block_barrier(v, block, epoch)) return fail();
 
   // 3. Merge, in chunks of kThreads rows: one thread per row turns the lse
   //    of every source into weights, then every thread merges packs. Staged

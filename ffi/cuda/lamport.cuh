@@ -26,6 +26,8 @@
 
 #include "../channel.h"
 #include "../numeric.h"
+#include "../protocol.h"
+#include "cuda_memory.cuh"
 
 namespace b12x {
 
@@ -58,6 +60,87 @@ __device__ __forceinline__ Pack load_volatile(const Pack* p) {
 
 __device__ __forceinline__ Pack lamport_empty_pack() {
   return Pack{{kLamportEmptyWord, kLamportEmptyWord, kLamportEmptyWord, kLamportEmptyWord}};
+}
+
+// One Lamport call of this block (block b = blockIdx.x, every thread of the
+// block must call it): push `in[0, n)` into this rank's cell of every peer's
+// buffer, hand each pack's sources in rank order (C9), this rank's own input
+// at index rank, to `reduce(i, staged)` as they arrive, then refill what the
+// previous call read and count the call. Every op that uses the Lamport
+// buffers of a channel goes through here, so their calls interleave on one
+// channel by the reuse argument above. False, with nothing counted, when the
+// channel is poisoned or a wait failed (C8: bounded, error recorded): the
+// caller then fills its outputs with NaN.
+template <int kThreads, class Reduce>
+__device__ __forceinline__ bool lamport_exchange(const ChannelView& v, const Pack* __restrict__ in, size_t n,
+                                                 Reduce reduce) {
+  if (channel_poisoned<CudaMem>(v)) return false;
+  const int block = blockIdx.x;
+  Signal* own = v.signals[v.rank];
+  // Written by this block's previous call, an earlier kernel on this stream.
+  const uint32_t call = own->lamport_calls[block];
+  const int buffer = call % kLamportBuffers;
+  const auto cell = [&](int owner, int buf, int source) {
+    return reinterpret_cast<Pack*>(v.lamport[owner] + v.lamport_layout.cell_offset(buf, source, block));
+  };
+
+  // 1. Push this rank's part into its cell of every peer's buffer.
+  for (size_t i = threadIdx.x; i < n; i += kThreads) {
+    const Pack x = lamport_encode(in[i]);
+#pragma unroll
+    for (int p = 0; p < kMaxRanks; ++p) {
+      if (p < v.world && p != v.rank) cell(p, buffer, v.rank)[i] = x;
+    }
+  }
+
+  // 2. Poll each source's pack until every word arrived, then reduce. One
+  //    failed thread stops the block (volatile: read while others write it).
+  __shared__ volatile int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  const uint64_t deadline = CudaMem::now_ns() + v.timeout_ns;
+  for (size_t i = threadIdx.x; i < n && !failed; i += kThreads) {
+    Pack staged[kMaxRanks];
+#pragma unroll
+    for (int q = 0; q < kMaxRanks; ++q) {
+      if (q >= v.world) continue;
+      if (q == v.rank) {
+        staged[q] = in[i];
+        continue;
+      }
+      const Pack* src = cell(v.rank, buffer, q) + i;
+      const auto arrived = [&] { return lamport_arrived(staged[q] = load_volatile(src)); };
+      for (uint32_t spins = 1; !arrived(); ++spins) {
+        if ((spins & 63) != 0) continue;
+        const PeerState state = poll_peer<CudaMem>(v, q, call + 1, deadline, arrived);
+        if (state == PeerState::kArrived) break;
+        if (state == PeerState::kFailed || failed) {
+          failed = 1;
+          break;
+        }
+      }
+    }
+    if (failed) break;
+    reduce(i, staged);
+  }
+  __syncthreads();
+  if (failed) return false;
+
+  // 3. Refill the cells this block read in its previous call, then count.
+  const int previous = (call + kLamportBuffers - 1) % kLamportBuffers;
+  const uint32_t previous_packs = own->lamport_packs[block];
+  for (size_t i = threadIdx.x; i < previous_packs; i += kThreads) {
+#pragma unroll
+    for (int q = 0; q < kMaxRanks; ++q) {
+      if (q < v.world && q != v.rank) cell(v.rank, previous, q)[i] = lamport_empty_pack();
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    own->lamport_calls[block] = call + 1;
+    own->lamport_packs[block] = static_cast<uint32_t>(n);
+  }
+  return true;
 }
 
 }  // namespace b12x

@@ -121,3 +121,31 @@ def test_a_peer_that_never_joins_raises_the_timeout_error(lamport_bytes):
     assert "channel 'lonely'" in message and "rank 0" in message and "rank 1" in message
     assert "epoch" in message
   assert result["seconds"] < 60
+
+
+def test_a_failed_peer_probe_lowers_to_psum_or_raises_under_strict(monkeypatch):
+  # The native probe's verdict reaches Python as a TransportError from preparation: simulate it for
+  # this group, the rest of the path (fallback decision, psum lowering, strict error) is the real one.
+  from b12x_jax import _native
+
+  def failing_prepare(platform, channel, ordinals, options):
+    raise b12x_jax.TransportError(f"peer access between devices {ordinals} does not work: simulated")
+
+  mesh = _mesh()
+  shards = random_shards(np.random.default_rng(8), N, 4096, np.float32)
+  with fresh_communicator() as comm:
+    monkeypatch.setattr(_native, "prepare", failing_prepare)
+    with b12x_jax.channel("probe-failed"):
+      out = _per_rank_all_reduce(mesh)(jax.device_put(shards.reshape(-1), NamedSharding(mesh, P("x"))))
+      assert_sum_matches(np.asarray(out).reshape(N, -1), shards, "float32", roundings=N)
+    assert comm.decisions[-1].path == "psum" and "simulated" in comm.decisions[-1].reason
+    comm.policy = "strict"
+    with b12x_jax.channel("probe-failed-strict"), pytest.raises(b12x_jax.TransportError, match="simulated"):
+      _per_rank_all_reduce(mesh)(jax.device_put(shards.reshape(-1), NamedSharding(mesh, P("x"))))
+  monkeypatch.undo()
+  _check_values(4096, "float32")  # a new communicator probes again, and the real probe passes
+
+
+def test_close_with_calls_still_queued_on_gpus_finishes_them_or_they_raise_clear_errors():
+  result = run_worker("close_pending", "--platform", "gpu", "--runs", "200", hard_timeout=300)
+  assert result["right"] + result["failed"] == 200 and result["right"] > 0 and result["prepared"] == [], result

@@ -1,0 +1,142 @@
+"""all_reduce_residual_rmsnorm: the decode step's all-reduce, residual add
+and RMSNorm in one collective (one kernel on CUDA)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from b12x_jax import _compat
+from b12x_jax.channels import resolve_channel
+from b12x_jax.communicator import PACK_BYTES, Decision, get_communicator
+from b12x_jax.ops._common import axis_size, b12x_lowering
+from b12x_jax.ops.all_reduce import all_reduce
+
+_OP = "all_reduce_residual_rmsnorm"
+_TARGET = "b12x_residual_rmsnorm"
+_DTYPES = ("float32", "bfloat16", "float16")
+# Largest grid of a channel (ffi/channel.h kMaxBlocks): a CUDA block takes
+# whole rows into its Lamport cell of lamport_bytes / max_blocks bytes.
+_MAX_BLOCKS = 64
+
+# -- validation -----------------------------------------------------------------
+
+
+def _check_operands(x, residual, weight) -> tuple[jax.Array, jax.Array, jax.Array]:
+  for arg, a in (("x", x), ("residual", residual), ("weight", weight)):
+    if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+      raise TypeError(f"b12x_jax.{_OP}: {arg} must be an array, got {type(a).__name__}")
+  x, residual, weight = jnp.asarray(x), jnp.asarray(residual), jnp.asarray(weight)
+  if x.ndim < 1 or x.size == 0:
+    raise ValueError(f"b12x_jax.{_OP}: x must be [..., hidden] with at least one element, got shape {x.shape}")
+  if x.dtype.name not in _DTYPES:
+    raise TypeError(f"b12x_jax.{_OP}: x must be one of {_DTYPES}, got {x.dtype.name}; cast it")
+  if residual.shape != x.shape or residual.dtype != x.dtype:
+    raise ValueError(f"b12x_jax.{_OP}: residual must match x ({x.shape} {x.dtype.name}), got "
+                     f"{residual.shape} {residual.dtype.name}")
+  if weight.shape != x.shape[-1:]:
+    raise ValueError(f"b12x_jax.{_OP}: weight must be [hidden] = {x.shape[-1:]}, got {weight.shape}")
+  if weight.dtype != x.dtype:
+    raise TypeError(f"b12x_jax.{_OP}: weight must have x's dtype {x.dtype.name}, got {weight.dtype.name}; "
+                    f"cast it (weight.astype(x.dtype))")
+  return x, residual, weight
+
+
+def _fused_window(rows: int, row_bytes: int, lamport_bytes: int, max_blocks: int) -> str | None:
+  """Why the fused kernel cannot take these rows, or None: it exchanges them
+  through the Lamport cells of the channel, whole rows per block."""
+  if lamport_bytes == 0:
+    return "the Lamport window is off (lamport_bytes=0)"
+  if row_bytes % PACK_BYTES:
+    return f"a row of {row_bytes} bytes is not a multiple of 16 bytes"
+  cell = lamport_bytes // max_blocks // PACK_BYTES * PACK_BYTES
+  rows_per_block = -(-rows // max_blocks)
+  if rows_per_block * row_bytes > cell:
+    return (f"{rows} rows of {row_bytes} bytes exceed the {max_blocks} Lamport cells of {cell} bytes "
+            f"(raise Communicator(lamport_bytes=...))")
+  return None
+
+
+# -- public function -------------------------------------------------------------
+
+
+def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: float = 1e-6,
+                                channel: str | None = None) -> tuple[jax.Array, jax.Array]:
+  """All-reduce, residual add and RMSNorm, as in a transformer decode step
+  after a row-parallel layer. Returns ``(normed, new_residual)``:
+
+    new_residual = sum over the ranks of axis_name of x, plus residual
+    normed = new_residual * rsqrt(mean(new_residual**2, -1) + eps) * weight
+
+  ``x`` [..., hidden] is this rank's partial sum, ``residual`` the same
+  shape and dtype (the same on every rank), ``weight`` [hidden];
+  float32/bfloat16/float16, one dtype. fp32 math: the sum over ranks in
+  rank order plus residual is rounded once to ``new_residual``, and the
+  norm is computed from that rounded value (what the next layer adds to);
+  every rank gets the same bits. Call it inside ``jax.shard_map`` under
+  ``jax.jit``; the results are invariant over the axis.
+
+  Fused (one kernel on CUDA, the Lamport exchange of all_reduce) when the
+  rows fit the channel's Lamport window (``Communicator(lamport_bytes=...)``,
+  whole rows per block of at most 64); otherwise the same result from
+  ``all_reduce`` followed by the add and norm in jnp, with the reason in
+  ``get_communicator().decisions``.
+  """
+  x, residual, weight = _check_operands(x, residual, weight)
+  if not eps > 0:
+    raise ValueError(f"b12x_jax.{_OP}: eps must be > 0, got {eps!r}")
+  size = axis_size(axis_name, _OP)
+  name = resolve_channel(channel, _OP)
+  comm = get_communicator()
+  row_bytes = x.shape[-1] * x.dtype.itemsize
+  rows = x.size // x.shape[-1]
+  why_not = _fused_window(rows, row_bytes, comm.lamport_bytes, comm.max_blocks or _MAX_BLOCKS)
+  if size > 1 and why_not is None:
+    decision = comm.choose_path(_OP, name, x.size * x.dtype.itemsize, x.dtype, size)
+    if decision.path == "b12x":
+      normed, new_residual = residual_rmsnorm_p.bind(x, residual, weight, axis_name=axis_name, channel=name,
+                                                     eps=np.float32(eps))  # the handler's f32 attribute
+      return normed, new_residual
+  elif size > 1:
+    comm.decisions.append(Decision(_OP, name, "unfused", why_not))
+  return _unfused(all_reduce(x, axis_name, channel=channel) if size > 1 else x, residual, weight, eps)
+
+
+def _unfused(total, residual, weight, eps: float) -> tuple[jax.Array, jax.Array]:
+  """The same math after a separate all-reduce: add, round, norm."""
+  new_residual = (total.astype(jnp.float32) + residual.astype(jnp.float32)).astype(total.dtype)
+  r = new_residual.astype(jnp.float32)
+  scale = jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + eps)
+  return (r * scale * weight.astype(jnp.float32)).astype(total.dtype), new_residual
+
+
+# -- lowering ---------------------------------------------------------------------
+
+
+def _abstract_eval(x, residual, weight, *, axis_name: str, channel: str, eps: float):
+  del residual, weight, channel, eps
+  out = _compat.drop_varying_axis(x, axis_name)
+  return [out, out]
+
+
+def _eager_impl(x, residual, weight, *, axis_name: str, channel: str, eps: float):
+  raise ValueError(f"b12x_jax.{_OP} runs inside jax.shard_map under jax.jit, not eagerly "
+                   f"(axis {axis_name!r}, channel {channel!r})")
+
+
+def _psum_path(x, residual, weight, *, axis_name: str, eps: float):
+  return list(_unfused(jax.lax.psum(x, axis_name), residual, weight, eps))
+
+
+# -- registration ----------------------------------------------------------------
+
+residual_rmsnorm_p = Primitive("b12x_residual_rmsnorm")
+residual_rmsnorm_p.multiple_results = True
+residual_rmsnorm_p.def_abstract_eval(_abstract_eval)
+residual_rmsnorm_p.def_impl(_eager_impl)
+for _platform in ("cpu", "cuda"):
+  mlir.register_lowering(residual_rmsnorm_p, b12x_lowering(_OP, _TARGET, _psum_path), platform=_platform)
+mlir.register_lowering(residual_rmsnorm_p, mlir.lower_fun(_psum_path, multiple_results=True))

@@ -1,0 +1,114 @@
+"""Per-op time of all_reduce_residual_rmsnorm vs the unfused sequence, in one run.
+
+The decode step after a row-parallel layer: all-reduce the partial sums, add
+the residual, RMSNorm. Each measurement is one executable of `--ops` chained
+steps (the next step's input is this step's normed output), timed like every
+benchmark here (_common.per_op_us). Columns:
+  fused     b12x_jax.all_reduce_residual_rmsnorm (one kernel on CUDA)
+  unfused   b12x_jax.all_reduce, then the add and RMSNorm in jnp (XLA fuses them)
+  psum      jax.lax.psum, then the same jnp
+
+  python benchmarks/residual_rmsnorm.py      # GPUs if >= 2, else CPU devices
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from _common import gpu_count, per_op_us
+
+SHAPES = [(1, 4096), (8, 4096), (16, 4096), (64, 4096), (1, 8192), (8, 8192), (16, 8192), (64, 8192)]
+EPS = 1e-6
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+
+def _add_and_norm(total, residual, weight):
+  """The user's unfused code after an all-reduce."""
+  import jax
+  import jax.numpy as jnp
+  new_residual = (total.astype(jnp.float32) + residual.astype(jnp.float32)).astype(total.dtype)
+  r = new_residual.astype(jnp.float32)
+  normed = r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + EPS) * weight.astype(jnp.float32)
+  return normed.astype(total.dtype), new_residual
+
+
+def _step(impl: str):
+  import jax
+
+  import b12x_jax
+  if impl == "fused":
+    return lambda x, res, w: b12x_jax.all_reduce_residual_rmsnorm(x, res, w, "x", eps=EPS)
+  if impl == "unfused":
+    return lambda x, res, w: _add_and_norm(b12x_jax.all_reduce(x, "x"), res, w)
+  if impl == "psum":
+    return lambda x, res, w: _add_and_norm(jax.lax.psum(x, "x"), res, w)
+  raise ValueError(f"unknown impl {impl!r}")
+
+
+def measure(impls: list[str], shapes: list[tuple[int, int]], ops: int, iters: int, devices: int) -> dict:
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+
+  platform = "gpu" if gpu_count() >= 2 else "cpu"
+  mesh = jax.make_mesh((devices,), ("x",), devices=jax.devices(platform)[:devices])
+  results: dict = {}
+  for impl in impls:
+    step = _step(impl)
+
+    def body(x, res, w, step=step):
+      for _ in range(ops):
+        x, res = step(x, res, w)
+      return x, res
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P()), out_specs=(P("x"), P()),
+                               check_vma=False))
+    for rows, hidden in shapes:
+      x = jax.device_put(jnp.ones((devices * rows, hidden), jnp.bfloat16) * 1e-2, NamedSharding(mesh, P("x")))
+      res = jnp.zeros((rows, hidden), jnp.bfloat16)
+      w = jnp.ones((hidden,), jnp.bfloat16)
+      with b12x_jax.channel("bench"):
+        us = per_op_us(lambda: fn(x, res, w), ops, iters)
+      decisions = b12x_jax.get_communicator().decisions
+      path = decisions[-1].path if impl != "psum" and decisions else impl
+      results.setdefault(f"{rows}x{hidden}", {})[impl] = {"us": us, "path": path}
+  b12x_jax.check_errors()
+  return results
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--ops", type=int, default=64)
+  parser.add_argument("--iters", type=int, default=50)
+  parser.add_argument("--devices", type=int, default=2)
+  parser.add_argument("--shapes", default=",".join(f"{r}x{h}" for r, h in SHAPES), help="ROWSxHIDDEN,...")
+  parser.add_argument("--impls", default="fused,unfused,psum")
+  parser.add_argument("--json", help="write the results here too")
+  args = parser.parse_args()
+  shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+  impls = args.impls.split(",")
+  results = measure(impls, shapes, args.ops, args.iters, args.devices)
+  print(f"\nall_reduce + residual add + RMSNorm, bf16, {args.devices} devices, {args.ops} chained steps per "
+        f"executable, median of {args.iters} runs, us per step")
+  print("| rows x hidden | " + " | ".join(impls) + " | unfused / fused | psum / fused |")
+  print("|---|" + "---|" * (len(impls) + 2))
+  for rows, hidden in shapes:
+    row = results[f"{rows}x{hidden}"]
+    cells = [f"{row[c]['us']:.1f}" + ("" if row[c]["path"] in ("b12x", c) else f" ({row[c]['path']} path)")
+             for c in impls]
+    ratios = [row[c]["us"] / row["fused"]["us"] if "fused" in row and c in row else float("nan")
+              for c in ("unfused", "psum")]
+    print(f"| {rows} x {hidden} | " + " | ".join(cells) + " | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

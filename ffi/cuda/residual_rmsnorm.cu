@@ -1,0 +1,150 @@
+// all_reduce_residual_rmsnorm on CUDA: the Lamport exchange of the
+// all-reduce (lamport.cuh), with the residual add and RMSNorm of rmsnorm.h
+// applied in the same kernel, so the decode step's all-reduce, add and norm
+// cost one launch.
+#include <cuda_runtime.h>
+
+#include <string>
+#include <string_view>
+
+#include "../registry.h"
+#include "../rmsnorm.h"
+#include "block_barrier.cuh"
+#include "cuda_memory.cuh"
+#include "lamport.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace b12x {
+namespace {
+
+constexpr int kThreads = 512;
+
+// Sum of `x` over the block in a fixed order (warp shuffles, then warp 0
+// over the warps' sums), so every rank normalises with the same bits. Every
+// thread must call it; all get the sum.
+__device__ __forceinline__ float block_sum(float x) {
+  __shared__ float warp_sums[kThreads / 32];
+  __shared__ float total;
+  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = x;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float w = threadIdx.x < kThreads / 32 ? warp_sums[threadIdx.x] : 0.0f;
+    for (int offset = 16; offset > 0; offset /= 2) w += __shfl_xor_sync(0xffffffffu, w, offset);
+    if (threadIdx.x == 0) total = w;
+  }
+  __syncthreads();
+  const float sum = total;
+  __syncthreads();  // `total` and `warp_sums` are reused by the next row
+  return sum;
+}
+
+// Block b owns rows [b * rows_per_block, ...): their packs are one
+// contiguous range, exchanged as one Lamport call of the block; then each
+// row is normalised.
+template <DType D>
+__global__ void __launch_bounds__(kThreads)
+    residual_rmsnorm_kernel(ChannelView v, RowsShape s, int rows_per_block, float eps, const Pack* __restrict__ in,
+                            const Pack* __restrict__ residual, const Pack* __restrict__ weight,
+                            Pack* __restrict__ normed, Pack* __restrict__ residual_out) {
+  const int first = blockIdx.x * rows_per_block;
+  const int rows = first < s.rows ? min(rows_per_block, s.rows - first) : 0;
+  const size_t lo = static_cast<size_t>(first) * s.row_packs;
+  const size_t n = static_cast<size_t>(rows) * s.row_packs;
+  const bool done = lamport_exchange<kThreads>(v, in + lo, n, [&](size_t i, const Pack* staged) {
+    float acc[Elements<D>::kCount] = {};
+#pragma unroll
+    for (int q = 0; q < kMaxRanks; ++q) {
+      if (q < v.world) accumulate<D>(acc, staged[q]);
+    }
+    accumulate<D>(acc, residual[lo + i]);
+    residual_out[lo + i] = round_pack<D>(acc);
+  });
+  if (!done) {
+    fill_nan(normed + lo, n);
+    fill_nan(residual_out + lo, n);
+    return;
+  }
+  // lamport_exchange ended with a block barrier: every thread's residual_out
+  // stores are visible to the whole block.
+  for (int r = 0; r < rows; ++r) {
+    const Pack* row = residual_out + lo + static_cast<size_t>(r) * s.row_packs;
+    float squares = 0.0f;
+    for (int k = threadIdx.x; k < s.row_packs; k += kThreads) squares += sum_of_squares<D>(row[k]);
+    const float scale = rms_scale(block_sum(squares), s.hidden, eps);
+    Pack* out = normed + lo + static_cast<size_t>(r) * s.row_packs;
+    for (int k = threadIdx.x; k < s.row_packs; k += kThreads) out[k] = normalize_pack<D>(row[k], weight[k], scale);
+  }
+}
+
+ffi::Error ResidualRmsnormCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer residual,
+                               ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> normed,
+                               ffi::Result<ffi::AnyBuffer> residual_out, std::string_view channel_id, float eps) {
+  const std::string op = "b12x_jax.all_reduce_residual_rmsnorm: ";
+  const RankHandle handle = Registry::get().find(Platform::kCuda, channel_id, ordinal);
+  if (!handle) return ffi::Error::InvalidArgument(unprepared_message("all_reduce_residual_rmsnorm", channel_id, ordinal));
+  const std::string earlier = pending_error(*handle.group, handle.rank);
+  if (!earlier.empty()) return ffi::Error::Internal(earlier);
+  const ChannelView& v = handle.view();
+  RowsShape s{};
+  const std::string problem = rows_call_shape(x, residual, weight, s);
+  if (!problem.empty()) return ffi::Error::InvalidArgument(problem);
+  const StagingLayout& cells = v.lamport_layout;
+  const int rows_per_block = (s.rows + cells.max_blocks - 1) / cells.max_blocks;
+  if (static_cast<size_t>(rows_per_block) * s.row_packs * kPackBytes > cells.block_bytes) {
+    return ffi::Error::InvalidArgument(op + std::to_string(s.rows) + " rows of " +
+                                       std::to_string(s.row_packs * kPackBytes) + " bytes do not fit the channel's " +
+                                       std::to_string(cells.max_blocks) + " Lamport cells of " +
+                                       std::to_string(cells.block_bytes) + " bytes; raise Communicator(lamport_bytes=...)");
+  }
+  const int grid = (s.rows + rows_per_block - 1) / rows_per_block;
+  const size_t bytes = x.size_bytes();
+  auto* out = static_cast<Pack*>(normed->untyped_data());
+  auto* res_out = static_cast<Pack*>(residual_out->untyped_data());
+  if (handle.group->options().poison_outputs) {  // NaN everywhere: an element the kernel misses shows up
+    cudaMemsetAsync(out, 0xFF, bytes, stream);
+    cudaMemsetAsync(res_out, 0xFF, bytes, stream);
+  }
+  const auto* in = static_cast<const Pack*>(x.untyped_data());
+  const auto* res = static_cast<const Pack*>(residual.untyped_data());
+  const auto* w = static_cast<const Pack*>(weight.untyped_data());
+  switch (x.element_type()) {
+    case ffi::DataType::F32:
+      residual_rmsnorm_kernel<DType::kF32><<<grid, kThreads, 0, stream>>>(v, s, rows_per_block, eps, in, res, w, out,
+                                                                          res_out);
+      break;
+    case ffi::DataType::BF16:
+      residual_rmsnorm_kernel<DType::kBF16><<<grid, kThreads, 0, stream>>>(v, s, rows_per_block, eps, in, res, w, out,
+                                                                           res_out);
+      break;
+    case ffi::DataType::F16:
+      residual_rmsnorm_kernel<DType::kF16><<<grid, kThreads, 0, stream>>>(v, s, rows_per_block, eps, in, res, w, out,
+                                                                          res_out);
+      break;
+    default:
+      return ffi::Error::InvalidArgument(op + "dtype must be float32, bfloat16 or float16");
+  }
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return ffi::Error::Internal(op + "kernel launch failed: " + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace b12x
+
+// Command-buffer compatible (C5), like all_reduce: the handler only launches
+// on its stream; the call counter lives in device memory.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_residual_rmsnorm_cuda, b12x::ResidualRmsnormCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x [..., hidden], this rank's partial sum
+                                  .Arg<xla::ffi::AnyBuffer>()  // residual, like x
+                                  .Arg<xla::ffi::AnyBuffer>()  // weight [hidden]
+                                  .Ret<xla::ffi::AnyBuffer>()  // normed, like x
+                                  .Ret<xla::ffi::AnyBuffer>()  // residual_out, like x
+                                  .Attr<std::string_view>("channel_id")
+                                  .Attr<float>("eps"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

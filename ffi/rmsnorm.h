@@ -1,0 +1,73 @@
+// all_reduce_residual_rmsnorm: the shape checks and the math after the sum,
+// shared by the CPU and CUDA handlers.
+//
+// For rows of `hidden` elements, with the sum over ranks s (fp32, rank order):
+//   residual_out = round(s + residual)                  (one rounding)
+//   normed       = round(r * rsqrt(mean(r^2) + eps) * weight), r = residual_out
+// The norm reads the rounded residual, the values the next layer adds to, so
+// it is what all_reduce, a jnp add and a jnp RMSNorm on its result compute.
+#pragma once
+
+#include <cmath>
+#include <string>
+
+#include "channel.h"
+#include "numeric.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace b12x {
+
+struct RowsShape {
+  int rows;
+  int row_packs;  // packs per row
+  int hidden;     // elements per row
+};
+
+// Fills `shape` from the buffers and returns an empty string, or what is
+// wrong, prefixed with the op's name. Python checks the same at trace time
+// with fixes in its messages; this keeps a bad call from touching memory.
+inline std::string rows_call_shape(const xla::ffi::AnyBuffer& x, const xla::ffi::AnyBuffer& residual,
+                                   const xla::ffi::AnyBuffer& weight, RowsShape& shape) {
+  const std::string op = "b12x_jax.all_reduce_residual_rmsnorm: ";
+  if (residual.element_type() != x.element_type() || weight.element_type() != x.element_type()) {
+    return op + "x, residual and weight must have one dtype";
+  }
+  const size_t hidden = weight.element_count();
+  const size_t row_bytes = hidden * xla::ffi::ByteWidth(x.element_type());
+  if (hidden == 0 || x.element_count() % hidden != 0 || residual.element_count() != x.element_count()) {
+    return op + "x and residual must be [..., hidden] with weight [hidden]";
+  }
+  if (row_bytes % kPackBytes != 0) return op + "a row of x is not a multiple of 16 bytes";
+  shape = RowsShape{static_cast<int>(x.element_count() / hidden), static_cast<int>(row_bytes / kPackBytes),
+                    static_cast<int>(hidden)};
+  return {};
+}
+
+// 1 / RMS of a row from its sum of squares.
+B12X_HD float rms_scale(float sum_of_squares, int hidden, float eps) {
+#if defined(__CUDA_ARCH__)
+  return rsqrtf(sum_of_squares / hidden + eps);
+#else
+  return 1.0f / std::sqrt(sum_of_squares / hidden + eps);
+#endif
+}
+
+template <DType D>
+B12X_HD float sum_of_squares(const Pack& p) {
+  float s = 0.0f;
+  for (int e = 0; e < Elements<D>::kCount; ++e) {
+    const float x = Elements<D>::get(p, e);
+    s += x * x;
+  }
+  return s;
+}
+
+// One pack of normed output from the pack of residual_out and of weight.
+template <DType D>
+B12X_HD Pack normalize_pack(const Pack& r, const Pack& w, float scale) {
+  float out[Elements<D>::kCount];
+  for (int e = 0; e < Elements<D>::kCount; ++e) out[e] = Elements<D>::get(r, e) * scale * Elements<D>::get(w, e);
+  return round_pack<D>(out);
+}
+
+}  // namespace b12x

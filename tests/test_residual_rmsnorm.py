@@ -1,0 +1,123 @@
+"""all_reduce_residual_rmsnorm on the CPU backend: values against float64,
+the fused and unfused paths, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import b12x_jax
+from helpers import DTYPES, assert_residual_rmsnorm_matches, fresh_communicator
+
+
+def per_rank_fn(mesh, eps: float = 1e-6):
+  """x sharded over "x" ([n, rows, hidden] -> one row block per rank), residual and weight
+  replicated; every rank's results come back stacked [n, ...] so the test sees all of them."""
+  def body(x, residual, weight):
+    normed, new_residual = b12x_jax.all_reduce_residual_rmsnorm(x[0], residual, weight, "x", eps=eps)
+    return normed[None], new_residual[None]
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P()), out_specs=(P("x"), P("x")),
+                               check_vma=False))
+
+
+def run_case(mesh, rng, rows: int, hidden: int, dtype_name: str, eps: float = 1e-6):
+  n = mesh.devices.size
+  dtype = DTYPES[dtype_name]
+  shards = rng.standard_normal((n, rows, hidden)).astype(np.float32).astype(dtype)
+  residual = rng.standard_normal((rows, hidden)).astype(np.float32).astype(dtype)
+  weight = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32).astype(dtype)
+  normed, new_residual = per_rank_fn(mesh, eps)(jax.device_put(shards, NamedSharding(mesh, P("x"))), residual, weight)
+  assert_residual_rmsnorm_matches(np.asarray(normed), np.asarray(new_residual), shards, residual, weight, eps,
+                                  dtype_name)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("rows, hidden", [(1, 4096), (8, 1024), (64, 256), (3, 8192)])
+def test_fused_op_matches_float64_on_every_rank(cpu_mesh, n, dtype_name, rows, hidden):
+  with fresh_communicator(poison_outputs=True) as comm, b12x_jax.channel("fused"):
+    run_case(cpu_mesh(n), np.random.default_rng(rows * hidden + n), rows, hidden, dtype_name)
+    assert comm.decisions[-1].path == "b12x", comm.decisions[-1]
+
+
+def test_rows_outside_the_lamport_window_take_the_unfused_path_with_the_same_result(cpu_mesh):
+  rng = np.random.default_rng(5)
+  with fresh_communicator(poison_outputs=True, lamport_bytes=64 * 1024) as comm, b12x_jax.channel("unfused"):
+    run_case(cpu_mesh(2), rng, 64, 4096, "bfloat16")  # 512 KiB: 8 KiB rows in 1 KiB cells
+    decision = comm.decisions[-2]
+    assert decision.op == "all_reduce_residual_rmsnorm" and decision.path == "unfused", decision
+    assert "Lamport cells" in decision.reason and comm.decisions[-1].path == "b12x"  # the all_reduce inside
+  with fresh_communicator(lamport_bytes=0) as comm, b12x_jax.channel("unfused"):
+    run_case(cpu_mesh(2), rng, 4, 512, "float32")
+    assert comm.decisions[-2].path == "unfused" and "lamport_bytes=0" in comm.decisions[-2].reason
+
+
+def test_interleaves_with_all_reduce_and_dcp_a2a_on_one_channel(cpu_mesh):
+  mesh = cpu_mesh(2)
+  rng = np.random.default_rng(7)
+
+  def body(x, residual, weight, y):
+    normed, new_residual = b12x_jax.all_reduce_residual_rmsnorm(x[0], residual, weight, "x")
+    total = b12x_jax.all_reduce(y, "x")
+    normed2, _ = b12x_jax.all_reduce_residual_rmsnorm(x[0], new_residual, weight, "x")
+    return normed[None], total, normed2[None]
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P(), P("x")),
+                             out_specs=(P("x"), P("x"), P("x")), check_vma=False))
+  x = rng.standard_normal((2, 4, 512)).astype(np.float32)
+  residual = rng.standard_normal((4, 512)).astype(np.float32)
+  weight = rng.standard_normal(512).astype(np.float32)
+  y = rng.standard_normal((2, 64)).astype(np.float32)
+  with b12x_jax.channel("mixed"):
+    normed, total, normed2 = fn(jax.device_put(x, NamedSharding(mesh, P("x"))), residual, weight,
+                                jax.device_put(y.reshape(-1), NamedSharding(mesh, P("x"))))
+  s = x.astype(np.float64).sum(0) + residual
+  np.testing.assert_allclose(np.asarray(total).reshape(2, -1)[0], y.sum(0), rtol=1e-6)
+  s2 = x.astype(np.float64).sum(0) + s
+  ref2 = s2 / np.sqrt((s2 * s2).mean(-1, keepdims=True) + 1e-6) * weight
+  np.testing.assert_allclose(np.asarray(normed2)[1], ref2, rtol=1e-4, atol=1e-5)
+  assert b12x_jax.get_communicator().stats("mixed", mesh.devices[0])["epoch"] == 3
+
+
+def test_one_device_axis_adds_and_normalises_locally(cpu_mesh):
+  mesh = cpu_mesh(1)
+  x = np.random.default_rng(1).standard_normal((1, 2, 64)).astype(np.float32)
+  residual, weight = np.ones((2, 64), np.float32), np.full(64, 2.0, np.float32)
+  normed, new_residual = per_rank_fn(mesh)(jax.device_put(x, NamedSharding(mesh, P("x"))), residual, weight)
+  s = x[0].astype(np.float64) + 1
+  np.testing.assert_allclose(np.asarray(new_residual)[0], s, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(normed)[0], 2 * s / np.sqrt((s * s).mean(-1, keepdims=True) + 1e-6),
+                             rtol=1e-5)
+
+
+@pytest.mark.parametrize("x_shape, res_shape, w_shape, dtype, match", [
+    ((4, 64), (4, 32), (64,), jnp.float32, r"residual must match x"),
+    ((4, 64), (4, 64), (32,), jnp.float32, r"weight must be \[hidden\]"),
+    ((4, 64), (4, 64), (64,), jnp.int32, r"x must be one of"),
+    ((), (), (1,), jnp.float32, r"x must be \[\.\.\., hidden\]"),
+])
+def test_bad_arguments_are_clear_errors(cpu_mesh, x_shape, res_shape, w_shape, dtype, match):
+  mesh = cpu_mesh(2)
+
+  def body(x):
+    return b12x_jax.all_reduce_residual_rmsnorm(jnp.zeros(x_shape, dtype), jnp.zeros(res_shape, dtype),
+                                                jnp.zeros(w_shape, dtype), "x")[0]
+  with pytest.raises((ValueError, TypeError), match=r"b12x_jax\.all_reduce_residual_rmsnorm: " + match):
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P()))(jnp.zeros(2))
+
+
+def test_weight_of_another_dtype_and_bad_eps_are_clear_errors(cpu_mesh):
+  mesh = cpu_mesh(2)
+
+  def call(weight_dtype, eps):
+    def body(x):
+      return b12x_jax.all_reduce_residual_rmsnorm(x, x, jnp.ones(x.shape[-1:], weight_dtype), "x", eps=eps)[0]
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P()))(jnp.ones((2, 16)))
+  with pytest.raises(TypeError, match=r"all_reduce_residual_rmsnorm: weight must have x's dtype float32.*astype"):
+    call(jnp.bfloat16, 1e-6)
+  with pytest.raises(ValueError, match=r"all_reduce_residual_rmsnorm: eps must be > 0"):
+    call(jnp.float32, 0.0)
