@@ -21,6 +21,7 @@ import atexit
 import collections
 import contextlib
 import dataclasses
+import itertools
 import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -37,6 +38,8 @@ from b12x_jax.errors import ChannelError, CollectiveTimeoutError, IneligibleErro
 
 MiB = 1 << 20
 Policy = Literal["auto", "strict", "psum"]
+Algorithm = Literal["auto", "one_shot", "two_shot", "one_shot_pull"]
+_ALGORITHMS = ("auto", "one_shot", "two_shot", "one_shot_pull")
 _POLICIES = ("auto", "strict", "psum")
 # Read by Communicator(policy=None): the operator's switch to the psum path.
 POLICY_ENV = "B12X_JAX_POLICY"
@@ -86,6 +89,11 @@ class Communicator:
     setup_timeout_s: bound on each collective step of preparing or releasing
       a channel shared between processes (a process that never joins gives
       the others CollectiveTimeoutError), default 60 s.
+    algorithm: all_reduce above the Lamport window: "one_shot" (push),
+      "two_shot" (reduce-scatter + all-gather), "one_shot_pull" (peers read
+      each other's staging; kept to measure against push), or "auto": by
+      payload size from the measured crossovers of b12x_jax.tuning (which
+      may also pick psum).
 
   Dropping a Communicator frees nothing (there is no ``__del__``): compiled
   executables and CUDA graphs may still hold its channels' pointers (DESIGN
@@ -94,7 +102,7 @@ class Communicator:
 
   def __init__(self, *, capacity_bytes: int = 8 * MiB, timeout_s: float = 10.0,
                policy: Policy | None = None, max_blocks: int | None = None, lamport_bytes: int = 1 * MiB,
-               poison_outputs: bool = False, setup_timeout_s: float = 60.0):
+               poison_outputs: bool = False, setup_timeout_s: float = 60.0, algorithm: Algorithm = "auto"):
     if not _is_int(capacity_bytes) or capacity_bytes < PACK_BYTES or capacity_bytes % PACK_BYTES:
       raise ValueError(f"Communicator: capacity_bytes must be a positive multiple of 16, got {capacity_bytes!r}")
     for setting, value in (("timeout_s", timeout_s), ("setup_timeout_s", setup_timeout_s)):
@@ -110,6 +118,8 @@ class Communicator:
       raise ValueError(f"Communicator: policy must be one of {_POLICIES}, got {policy!r}")
     if max_blocks is not None and (not _is_int(max_blocks) or not 1 <= max_blocks <= 64):
       raise ValueError(f"Communicator: max_blocks must be in [1, 64] or None, got {max_blocks!r}")
+    if algorithm not in _ALGORITHMS:
+      raise ValueError(f"Communicator: algorithm must be one of {_ALGORITHMS}, got {algorithm!r}")
     if not _is_int(lamport_bytes) or lamport_bytes < 0 or lamport_bytes % PACK_BYTES:
       raise ValueError(f"Communicator: lamport_bytes must be a non-negative multiple of 16, got {lamport_bytes!r}")
     self.capacity_bytes = int(capacity_bytes)
@@ -119,6 +129,7 @@ class Communicator:
     self.setup_timeout_s = float(setup_timeout_s)
     self.policy: Policy = policy
     self.max_blocks = None if max_blocks is None else int(max_blocks)
+    self.algorithm: Algorithm = algorithm
     self.decisions: collections.deque[Decision] = collections.deque(maxlen=1024)
     self._lock = threading.RLock()
     # (platform, channel) -> prepared groups, each a tuple of device ordinals in rank order
@@ -129,6 +140,7 @@ class Communicator:
     # (platform, channel) -> the processes its groups shared with this one span.
     self._shared: dict[tuple[str, str], set[int]] = {}
     self._closed = False
+    self.generation = next(_generations)  # tells communicators apart in jit's cache key
 
   # -- the per-call decision (DESIGN C12) ------------------------------------
 
@@ -359,7 +371,7 @@ def get_communicator() -> Communicator:
   global _active
   with _active_lock:
     if _active is None:
-      _active = Communicator()
+      _install(Communicator())
     return _active
 
 
@@ -373,7 +385,21 @@ def set_communicator(communicator: Communicator) -> None:
     if _active is not None and _active is not communicator and _active.prepared_channels():
       raise ChannelError("set_communicator: the current communicator still holds prepared channels "
                          f"{sorted(_active.prepared_channels())}; call its close() first")
-    _active = communicator
+    _install(communicator)
+
+
+# Part of jit's cache key, like the channel scope: the path each traced call
+# takes depends on the communicator's settings, so a function traced under
+# one communicator is traced again under the next instead of reusing
+# decisions (and channels) the new one never made.
+_communicator_key = jax.make_user_context(default_value=None)
+_generations = itertools.count(1)
+
+
+def _install(communicator: Communicator) -> None:
+  global _active
+  _active = communicator
+  _communicator_key.set_global(communicator.generation)
 
 
 def check_errors() -> None:

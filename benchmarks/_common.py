@@ -1,29 +1,10 @@
 """What the benchmarks here share: per-op time of an executable of chained
-collectives, measured one way for every column and every script; the GPU
-count; size labels."""
+collectives, measured one way for every column, every script and the
+calibration (b12x_jax.tuning.per_op_us); the GPU count; size labels."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
-# Runs before timing: the first compiles, the rest let the clocks ramp up.
-WARMUP = 5
-
-
-def per_op_us(run: Callable[[], object], ops: int, iters: int) -> float:
-  """Median wall time of ``run()`` (one executable of ``ops`` chained ops;
-  blocked on) over ``iters`` runs after WARMUP runs, per op, in us."""
-  import jax
-  import numpy as np
-  for _ in range(WARMUP):
-    jax.block_until_ready(run())
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    jax.block_until_ready(run())
-    times.append(time.perf_counter() - start)
-  return float(np.median(times)) / ops * 1e6
+from b12x_jax.tuning import per_op_us  # noqa: F401 - the one timing method, shared with calibration
 
 
 def size_label(size: int) -> str:

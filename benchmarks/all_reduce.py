@@ -3,9 +3,15 @@
 Each measurement is one executable of `--ops` chained collectives (each
 consumes the previous result: independent collectives get combined by XLA
 and time as nothing), timed over `--iters` runs after warm-up; the table
-shows the median per op. Columns (impls):
-  b12x          all_reduce with the default Communicator (Lamport up to 1 MiB)
+shows the median per op, a second one the bus bandwidth 2(N-1)/N * size / t.
+Columns (impls):
+  b12x          all_reduce with the default Communicator (Lamport up to 1 MiB,
+                then the algorithm of b12x_jax.tuning), capacity_bytes = the
+                largest size, so every size runs on b12x
   b12x_barrier  all_reduce with the Lamport path off (lamport_bytes=0)
+  b12x_one_shot, b12x_two_shot, b12x_one_shot_pull   the algorithm forced above
+                the Lamport window (push one-shot, push two-shot, pull one-shot);
+                a suffix _blocksN caps the grid at N blocks (max_blocks)
   psum          jax.lax.psum
   floor         a custom call that launches an empty kernel (GPU only): what
                 XLA charges per FFI call, the floor under any collective
@@ -20,12 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
 from _common import gpu_count, per_op_us, size_label
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20, 32 << 20]
+IMPL = re.compile(r"b12x(?P<barrier>_barrier)?(?:_(?P<algorithm>one_shot_pull|one_shot|two_shot))?(?:_blocks(?P<blocks>\d+))?")
 ONESHOT_FLAG = "--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE"
 NO_GRAPHS = "--xla_gpu_enable_command_buffer="
 # The baselines run in child processes on the same GPUs: no preallocation.
@@ -49,7 +57,7 @@ def measure(impls: list[str], sizes: list[int], ops: int, iters: int, devices: i
   for impl in impls:
     if impl.startswith("b12x"):
       b12x_jax.get_communicator().close()
-      b12x_jax.set_communicator(b12x_jax.Communicator(**({"lamport_bytes": 0} if impl == "b12x_barrier" else {})))
+      b12x_jax.set_communicator(b12x_jax.Communicator(**_options(impl, max(sizes))))
     op = _op(impl)
 
     def body(x, op=op):
@@ -67,6 +75,40 @@ def measure(impls: list[str], sizes: list[int], ops: int, iters: int, devices: i
       results.setdefault(str(size), {})[impl] = {"us": us, "path": path}
   b12x_jax.check_errors()
   return results
+
+
+def _options(impl: str, capacity: int) -> dict:
+  """Communicator settings of a b12x column (see IMPL)."""
+  match = IMPL.fullmatch(impl)
+  if match is None:
+    raise ValueError(f"unknown impl {impl!r}")
+  options = {"capacity_bytes": max(capacity, 8 << 20)}
+  if match["barrier"]:
+    options["lamport_bytes"] = 0
+  if match["algorithm"]:
+    options["algorithm"] = match["algorithm"]
+  if match["blocks"]:
+    options["max_blocks"] = int(match["blocks"])
+  return options
+
+
+def peer_copy_gbps(nbytes: int = 256 << 20, iters: int = 10) -> float:
+  """GPU 0 -> GPU 1 copy bandwidth of one large buffer (XLA's device-to-device
+  copy): the link speed the bus bandwidth is compared with."""
+  import time
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  src, dst = jax.devices("gpu")[:2]
+  x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), src)
+  jax.device_put(x, dst).block_until_ready()
+  times = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    jax.device_put(x, dst).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return nbytes / float(np.median(times)) / 1e9
 
 
 def _op(impl: str):
@@ -130,6 +172,17 @@ def main() -> None:
              for c in columns]
     speedup = row["psum"]["us"] / row["b12x"]["us"] if "b12x" in row and "psum" in row else float("nan")
     print(f"| {size_label(size)} | " + " | ".join(cells) + f" | {speedup:.2f}x |")
+  big = [s for s in sizes if s >= 1 << 20]
+  if big:
+    n = args.devices
+    print(f"\nbus bandwidth, GB/s (2(N-1)/N * size / time)" +
+          (f"; GPU0 -> GPU1 peer copy: {peer_copy_gbps():.0f} GB/s" if gpu_count() >= 2 else ""))
+    print("| size | " + " | ".join(columns) + " |")
+    print("|---|" + "---|" * len(columns))
+    for size in big:
+      row = results[str(size)]
+      print(f"| {size_label(size)} | " +
+            " | ".join(f"{2 * (n - 1) / n * size / row[c]['us'] / 1e3:.0f}" for c in columns) + " |")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=1)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One command for the 2-GPU machine (no network): build in place, run the
-# GPU tests and the benchmark, print a short summary. Logs go to $OUT when set.
+# GPU tests and the benchmarks, print a short summary. Logs go to $OUT when set.
+#   bash scripts/gpu_check.sh [all|tests|bench]   (two halves fit the device's per-call limit)
 set -uo pipefail
+PART=${1:-all}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/b12x_gpu_out}
@@ -23,9 +25,21 @@ fi
 echo "built in $(( $(date +%s) - start )) s"
 $PY -c 'import b12x_jax, b12x_jax._b12x as m; print("extension:", m.__file__, "cuda:", m.has_cuda())'
 
-echo "== GPU tests"
-$PY -m pytest tests/gpu -m gpu -x -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+tests_rc=0
+if [ "$PART" != bench ]; then
+echo "== GPU tests (torture: ${B12X_TORTURE_CALLS:=4000} calls per CUDA-graphs setting)"
+export B12X_TORTURE_CALLS
+$PY -m pytest tests/gpu -m gpu -x -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" \
+  | grep -E "TORTURE|RACE|passed|failed|FAILED|Error" | tail -25
 tests_rc=${PIPESTATUS[0]}
+
+echo "== multi-process GPU tests"
+$PY -m pytest tests/test_multiprocess_gpu.py -m gpu -x -q -p no:cacheprovider 2>&1 | tee "$OUT/mp_gpu_tests.log" | tail -5
+mp_tests_rc=${PIPESTATUS[0]}
+echo "multi-process gpu tests rc=$mp_tests_rc"
+[ "$tests_rc" -eq 0 ] && tests_rc=$mp_tests_rc
+fi
+[ "$PART" = tests ] && { echo "== summary: gpu tests rc=$tests_rc"; exit $tests_rc; }
 
 echo "== quickstart"
 $PY examples/quickstart.py 2>&1 | grep -v "^W\|^I" | tail -8
@@ -53,18 +67,32 @@ done | head -8
 echo "== benchmark"
 $PY benchmarks/all_reduce.py --json "$OUT/all_reduce.json" 2>&1 | tee "$OUT/bench.log" | grep -v "^W\|^I"
 
+echo "== large payloads: push one-shot, two-shot, pull one-shot, block counts"
+$PY benchmarks/all_reduce.py --sizes $((1<<20)),$((4<<20)),$((8<<20)),$((16<<20)),$((32<<20)),$((64<<20)) \
+  --impls b12x,b12x_one_shot,b12x_two_shot,b12x_one_shot_pull,b12x_one_shot_blocks16,b12x_one_shot_blocks32,b12x_two_shot_blocks32,psum \
+  --ops 16 --iters 20 --no-flag-columns --json "$OUT/all_reduce_large.json" 2>&1 | tee "$OUT/bench_large.log" \
+  | grep -v "^W\|^I"
+
+echo "== calibration (one-shot / two-shot / psum crossovers, stored under \$OUT/cache)"
+B12X_JAX_CACHE="$OUT/cache" $PY -c '
+import jax, b12x_jax.tuning as t
+mesh = jax.make_mesh((2,), ("x",), devices=jax.devices("gpu")[:2])
+c, times = t.calibrate(mesh, "x", sizes=[1 << k for k in range(20, 27)])
+for s, row in sorted(times.items()):
+  print(f"{s >> 20:4d} MiB  " + "  ".join(f"{k} {v:7.1f}" for k, v in sorted(row.items())))
+print("crossover:", c)' 2>&1 | grep -v "^W\|^I"
+
+echo "== all_reduce + residual + RMSNorm: fused vs unfused"
+$PY benchmarks/residual_rmsnorm.py --json "$OUT/residual_rmsnorm.json" 2>&1 | tee "$OUT/bench_rmsnorm.log" \
+  | grep -v "^W\|^I"
+
 echo "== dcp_a2a benchmark"
 $PY benchmarks/dcp_a2a.py --json "$OUT/dcp_a2a.json" 2>&1 | tee "$OUT/dcp_bench.log" | grep -v "^W\|^I"
 
 # ---- one process per GPU (jax.distributed, CUDA IPC): 2 processes, one GPU each ----
-echo "== multi-process GPU tests"
-$PY -m pytest tests/test_multiprocess_gpu.py -m gpu -x -q -p no:cacheprovider 2>&1 | tee "$OUT/mp_gpu_tests.log" | tail -25
-mp_tests_rc=${PIPESTATUS[0]}
 echo "== multi-process benchmark (b12x vs psum across 2 processes)"
 $PY benchmarks/all_reduce_multiprocess.py --json "$OUT/all_reduce_multiprocess.json" 2>&1 \
   | tee "$OUT/bench_mp.log" | grep -v "^W\|^I"
-echo "multi-process gpu tests rc=$mp_tests_rc"
-[ "$tests_rc" -eq 0 ] && tests_rc=$mp_tests_rc
 
 echo "== summary: gpu tests rc=$tests_rc"
 exit $tests_rc

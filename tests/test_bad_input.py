@@ -276,7 +276,9 @@ def test_a_payload_up_to_the_capacity_runs_on_b12x_under_strict(cpu_mesh, n, dty
     for _ in range(2):  # fresh inputs, both staging slots
       shards = random_shards(rng, n, (CAPACITY + delta) // np.dtype(dtype).itemsize, dtype)
       assert_sum_matches(_all_reduce(mesh, shards), shards, dtype_name)
-      assert _decision() == b12x_jax.Decision("all_reduce", _channel(mesh), "b12x", "inside the b12x window")
+      decision = _decision()
+      assert (decision.op, decision.channel, decision.path) == ("all_reduce", _channel(mesh), "b12x"), decision
+      assert decision.reason.startswith("inside the b12x window"), decision
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])

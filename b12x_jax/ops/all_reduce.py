@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from b12x_jax import _compat
+from b12x_jax import _compat, tuning
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import get_communicator
 from b12x_jax.ops._common import axis_size, b12x_lowering
 
 _OP = "all_reduce"
 _TARGET = "b12x_all_reduce"
+# The `algorithm` attribute of the custom call (ffi/cuda/all_reduce.cu).
+_ALGORITHM_CODES = {"one_shot": 0, "two_shot": 1, "one_shot_pull": 2}
 
 # -- validation -----------------------------------------------------------------
 
@@ -47,26 +51,50 @@ def all_reduce(x, axis_name: str, *, channel: str | None = None) -> jax.Array:
   name = resolve_channel(channel, _OP)
   if size == 1:
     return x
-  decision = get_communicator().choose_path(_OP, name, x.size * x.dtype.itemsize, x.dtype, size)
+  comm = get_communicator()
+  nbytes = x.size * x.dtype.itemsize
+  decision = comm.choose_path(_OP, name, nbytes, x.dtype, size)
   if decision.path == "psum":
     return jax.lax.psum(x, axis_name)
-  return all_reduce_p.bind(x, axis_name=axis_name, channel=name)
+  algorithm, why = _algorithm(comm, nbytes, size)
+  if algorithm == "psum" and comm.policy == "auto":
+    comm.decisions[-1] = dataclasses.replace(decision, path="psum", reason=why)
+    return jax.lax.psum(x, axis_name)
+  comm.decisions[-1] = dataclasses.replace(decision, reason=f"{decision.reason}; {why}")
+  return all_reduce_p.bind(x, axis_name=axis_name, channel=name, algorithm=np.int32(_ALGORITHM_CODES[algorithm]))
+
+
+def _algorithm(comm, nbytes: int, size: int) -> tuple[str, str]:
+  """"one_shot", "two_shot", "one_shot_pull" or "psum" for ``nbytes`` over ``size`` ranks,
+  and why: the Communicator's setting, else the crossovers of tuning.py
+  (payloads in the Lamport window take it whatever is chosen here)."""
+  if comm.algorithm != "auto":
+    return comm.algorithm, f"{comm.algorithm} (Communicator(algorithm={comm.algorithm!r}))"
+  if nbytes <= comm.lamport_bytes:
+    return "one_shot", "Lamport window"
+  crossover = tuning.crossover_for(jax.devices()[0].device_kind, size)
+  if crossover.psum_from is not None and nbytes >= crossover.psum_from:
+    return "psum", f"psum is faster from {crossover.psum_from} bytes ({crossover.source})"
+  if crossover.two_shot_from is not None and nbytes >= crossover.two_shot_from:
+    return "two_shot", f"two_shot from {crossover.two_shot_from} bytes ({crossover.source})"
+  return "one_shot", f"one_shot ({crossover.source})"
 
 
 # -- lowering ---------------------------------------------------------------------
 
 
-def _abstract_eval(x, *, axis_name: str, channel: str):
-  del channel
+def _abstract_eval(x, *, axis_name: str, channel: str, algorithm: int):
+  del channel, algorithm
   return _compat.drop_varying_axis(x, axis_name)
 
 
-def _eager_impl(x, *, axis_name: str, channel: str):
+def _eager_impl(x, *, axis_name: str, channel: str, algorithm: int):
   raise ValueError(f"b12x_jax.{_OP} runs inside jax.shard_map under jax.jit, not eagerly "
                    f"(axis {axis_name!r}, channel {channel!r})")
 
 
-def _psum_path(x, *, axis_name: str):
+def _psum_path(x, *, axis_name: str, algorithm: int = 0):
+  del algorithm
   return [jax.lax.psum(x, axis_name)]
 
 

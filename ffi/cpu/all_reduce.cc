@@ -74,8 +74,10 @@ void push_to_peers(const ChannelView& v, uint32_t epoch, const Pack* in, size_t 
   }
 }
 
+// `algorithm` selects the CUDA kernel; the host backend reduces in one shot
+// whatever it is, with the same bits (every element summed in rank order).
 ffi::Future AllReduceHost(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                          std::string_view channel_id) {
+                          std::string_view channel_id, int32_t /*algorithm*/) {
   ffi::Promise promise;
   ffi::Future future(promise);
   const RankHandle handle = Registry::get().find(Platform::kHost, channel_id, ordinal);
@@ -155,7 +157,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_all_reduce_host, b12x::AllReduceHost,
                                   .Ctx<xla::ffi::DeviceOrdinal>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<std::string_view>("channel_id"));
+                                  .Attr<std::string_view>("channel_id")
+                                  .Attr<int32_t>("algorithm"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_residual_rmsnorm_host, b12x::ResidualRmsnormHost,
                               xla::ffi::Ffi::Bind()

@@ -1,7 +1,9 @@
-// One-shot all-reduce between the GPUs of a channel, in one kernel per call
-// (DESIGN C5-C10): payloads up to the channel's Lamport window take the
-// flagless exchange of lamport.cuh, larger ones stage, barrier and reduce by
-// the protocol of protocol.h.
+// All-reduce between the GPUs of a channel, in one kernel per call (DESIGN
+// C5-C10): payloads up to the channel's Lamport window take the flagless
+// exchange of lamport.cuh; larger ones stage, barrier and reduce by the
+// protocol of protocol.h, in one shot (every rank reduces everything) or in
+// two (reduce-scatter, then all-gather: each rank reduces 1/N, and moves
+// 2(N-1)/N of the payload instead of N-1 times it), as the caller chose.
 #include <cuda_runtime.h>
 
 #include <string_view>
@@ -88,6 +90,138 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Reduce-scatter, then all-gather, as two barrier calls of protocol.h
+// (epochs e and e + 1, so each phase has its own staging slot and the reuse
+// argument of protocol.h holds phase by phase). Rank r owns shard r of the
+// payload; block b owns the same slice [b * per_block, ...) of every shard.
+//   1. push my slice of shard p into my cell on p, for every peer p; meet;
+//   2. reduce my shard's slice in rank order (C9): the result goes to my
+//      output and into my cell of the other slot on every peer; meet;
+//   3. copy each peer's reduced slice from my staging into my output.
+// The owner reduces each element once, so all ranks hold the same bits.
+template <DType D>
+__global__ void __launch_bounds__(kThreads)
+    two_shot_all_reduce(ChannelView v, const Pack* __restrict__ in, Pack* __restrict__ out, size_t packs,
+                        size_t shard_packs, size_t per_block) {
+  const int block = blockIdx.x;
+  const auto slice = [&](int shard, size_t& lo, size_t& n) {
+    const size_t shard_lo = shard * shard_packs;
+    const size_t shard_n = shard_lo < packs ? min(shard_packs, packs - shard_lo) : 0;
+    const size_t off = block * per_block;
+    lo = shard_lo + off;
+    n = off < shard_n ? min(per_block, shard_n - off) : 0;
+  };
+  const auto fail = [&] {
+    for (int q = 0; q < v.world; ++q) {
+      size_t lo, n;
+      slice(q, lo, n);
+      fill_nan(out + lo, n);
+    }
+  };
+  if (channel_poisoned<CudaMem>(v)) return fail();
+  const uint32_t epoch = next_epoch<CudaMem>(v, block);
+  const int scatter_slot = epoch & 1;
+  const int gather_slot = (epoch + 1) & 1;
+  const auto cell = [&](int owner, int slot, int source) {
+    return reinterpret_cast<Pack*>(v.staging[owner] + v.layout.cell_offset(slot, source, block));
+  };
+
+  // 1. Reduce-scatter: my slice of every peer's shard goes to that peer.
+  for (int p = 0; p < v.world; ++p) {
+    if (p == v.rank) continue;
+    size_t lo, n;
+    slice(p, lo, n);
+    Pack* dst = cell(p, scatter_slot, v.rank);
+    for (size_t i = threadIdx.x; i < n; i += kThreads) dst[i] = in[lo + i];
+  }
+  if (!block_barrier(v, block, epoch)) return fail();
+
+  // 2. Reduce my shard's slice; keep it and send it to every peer.
+  size_t lo, n;
+  slice(v.rank, lo, n);
+  for (size_t i = threadIdx.x; i < n; i += kThreads) {
+    Pack staged[kMaxRanks];
+#pragma unroll
+    for (int q = 0; q < kMaxRanks; ++q) {
+      if (q >= v.world) continue;
+      if (q == v.rank) {
+        staged[q] = in[lo + i];
+      } else {
+        const uint4 w = __ldcg(reinterpret_cast<const uint4*>(cell(v.rank, scatter_slot, q)) + i);
+        staged[q] = Pack{{w.x, w.y, w.z, w.w}};
+      }
+    }
+    float acc[Elements<D>::kCount] = {};
+#pragma unroll
+    for (int q = 0; q < kMaxRanks; ++q) {
+      if (q < v.world) accumulate<D>(acc, staged[q]);
+    }
+    const Pack sum = round_pack<D>(acc);
+    out[lo + i] = sum;
+#pragma unroll
+    for (int p = 0; p < kMaxRanks; ++p) {
+      if (p < v.world && p != v.rank) cell(p, gather_slot, v.rank)[i] = sum;
+    }
+  }
+  if (!block_barrier(v, block, epoch + 1)) return fail();
+
+  // 3. All-gather: the peers' reduced slices, from my staging.
+  for (int q = 0; q < v.world; ++q) {
+    if (q == v.rank) continue;
+    size_t qlo, qn;
+    slice(q, qlo, qn);
+    const uint4* src = reinterpret_cast<const uint4*>(cell(v.rank, gather_slot, q));
+    for (size_t i = threadIdx.x; i < qn; i += kThreads) {
+      const uint4 w = __ldcg(src + i);
+      out[qlo + i] = Pack{{w.x, w.y, w.z, w.w}};
+    }
+  }
+}
+
+// One-shot by pulling: each rank copies its part into its own staging cell,
+// meets the peers, then reads every peer's cell over the link. The barrier
+// protocol's reuse argument holds unchanged (a cell is written in call k and
+// again in call k + 2, after every reader passed the barrier of call k + 1);
+// what differs from the push kernel is which side of the link waits for the
+// data: loads in flight instead of posted stores. Kept to measure against
+// the push kernel (benchmarks/RESULTS.md).
+template <DType D>
+__global__ void __launch_bounds__(kThreads)
+    pull_all_reduce(ChannelView v, const Pack* __restrict__ in, Pack* __restrict__ out, size_t packs,
+                    size_t per_block) {
+  const int block = blockIdx.x;
+  const size_t lo = block * per_block;
+  const size_t n = lo < packs ? min(per_block, packs - lo) : 0;
+  if (channel_poisoned<CudaMem>(v)) return fill_nan(out + lo, n);
+  const uint32_t epoch = next_epoch<CudaMem>(v, block);
+  const int slot = epoch & 1;
+  const auto cell = [&](int owner) {
+    return reinterpret_cast<Pack*>(v.staging[owner] + v.layout.cell_offset(slot, owner, block));
+  };
+  Pack* own = cell(v.rank);
+  for (size_t i = threadIdx.x; i < n; i += kThreads) own[i] = in[lo + i];
+  if (!block_barrier(v, block, epoch)) return fill_nan(out + lo, n);
+  const Pack* sources[kMaxRanks];
+#pragma unroll
+  for (int q = 0; q < kMaxRanks; ++q) sources[q] = q == v.rank ? in + lo : q < v.world ? cell(q) : nullptr;
+  for (size_t i = threadIdx.x; i < n; i += kThreads) {
+    Pack staged[kMaxRanks];
+#pragma unroll
+    for (int q = 0; q < kMaxRanks; ++q) {
+      if (q < v.world) {
+        const uint4 w = __ldcg(reinterpret_cast<const uint4*>(sources[q]) + i);
+        staged[q] = Pack{{w.x, w.y, w.z, w.w}};
+      }
+    }
+    float acc[Elements<D>::kCount] = {};
+#pragma unroll
+    for (int q = 0; q < kMaxRanks; ++q) {
+      if (q < v.world) accumulate<D>(acc, staged[q]);
+    }
+    out[lo + i] = round_pack<D>(acc);
+  }
+}
+
 // Push, poll, reduce, refill (lamport.cuh). Block b owns the same packs as
 // in the barrier kernel, and its own cells of the three buffers.
 template <DType D>
@@ -116,18 +250,57 @@ int grid_for(size_t bytes, const StagingLayout& layout, size_t bytes_per_block) 
   return static_cast<int>(grid);
 }
 
+// Above the Lamport window, the caller's choice (the `algorithm` attribute,
+// b12x_jax/ops/all_reduce.py): push one-shot, push two-shot, pull one-shot.
+enum class Algorithm : int32_t { kOneShot = 0, kTwoShot = 1, kPull = 2, kLamport = 3 };
+
+// The launch of one call: which kernel, its grid, and the packs each block
+// owns (of the payload, or of each shard for two-shot).
+struct Plan {
+  Algorithm algorithm;
+  int grid;
+  size_t shard_packs;
+  size_t per_block;
+};
+
+Plan plan_for(size_t bytes, int world, Algorithm chosen, const ChannelView& v) {
+  const size_t packs = bytes / kPackBytes;
+  if (bytes <= v.lamport_layout.capacity()) {
+    const int grid = grid_for(bytes, v.lamport_layout, kLamportBytesPerBlock);
+    return {Algorithm::kLamport, grid, packs, (packs + grid - 1) / grid};
+  }
+  if (chosen == Algorithm::kTwoShot) {
+    // Each block stages one slice of a shard per phase; the grid spreads the
+    // whole payload's bytes as the one-shot kernel does.
+    const size_t shard_packs = (packs + world - 1) / world;
+    const int grid = grid_for(shard_packs * kPackBytes, v.layout, kBytesPerBlock / world);
+    return {Algorithm::kTwoShot, grid, shard_packs, (shard_packs + grid - 1) / grid};
+  }
+  const int grid = grid_for(bytes, v.layout, kBytesPerBlock);
+  return {chosen == Algorithm::kPull ? Algorithm::kPull : Algorithm::kOneShot, grid, packs, (packs + grid - 1) / grid};
+}
+
 template <DType D>
-void launch(bool lamport, int grid, cudaStream_t stream, const ChannelView& v, const Pack* in, Pack* out,
-            size_t packs, size_t per_block) {
-  if (lamport) {
-    lamport_all_reduce<D><<<grid, kThreads, 0, stream>>>(v, in, out, packs, per_block);
-  } else {
-    one_shot_all_reduce<D><<<grid, kThreads, 0, stream>>>(v, in, out, packs, per_block);
+void launch(const Plan& plan, cudaStream_t stream, const ChannelView& v, const Pack* in, Pack* out, size_t packs) {
+  switch (plan.algorithm) {
+    case Algorithm::kLamport:
+      lamport_all_reduce<D><<<plan.grid, kThreads, 0, stream>>>(v, in, out, packs, plan.per_block);
+      break;
+    case Algorithm::kOneShot:
+      one_shot_all_reduce<D><<<plan.grid, kThreads, 0, stream>>>(v, in, out, packs, plan.per_block);
+      break;
+    case Algorithm::kPull:
+      pull_all_reduce<D><<<plan.grid, kThreads, 0, stream>>>(v, in, out, packs, plan.per_block);
+      break;
+    case Algorithm::kTwoShot:
+      two_shot_all_reduce<D><<<plan.grid, kThreads, 0, stream>>>(v, in, out, packs, plan.shard_packs,
+                                                                 plan.per_block);
+      break;
   }
 }
 
 ffi::Error AllReduceCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                         std::string_view channel_id) {
+                         std::string_view channel_id, int32_t algorithm) {
   const RankHandle handle = Registry::get().find(Platform::kCuda, channel_id, ordinal);
   if (!handle) return ffi::Error::InvalidArgument(unprepared_message("all_reduce", channel_id, ordinal));
   // A timeout recorded by an earlier call (also one replayed from a CUDA
@@ -144,20 +317,20 @@ ffi::Error AllReduceCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   auto* out = static_cast<Pack*>(y->untyped_data());
   if (handle.group->options().poison_outputs) cudaMemsetAsync(out, 0xFF, bytes, stream);  // NaN everywhere
   const size_t packs = bytes / kPackBytes;
-  const bool lamport = bytes <= v.lamport_layout.capacity();
-  const int grid = lamport ? grid_for(bytes, v.lamport_layout, kLamportBytesPerBlock)
-                           : grid_for(bytes, v.layout, kBytesPerBlock);
-  const size_t per_block = (packs + grid - 1) / grid;
+  if (algorithm < 0 || algorithm > static_cast<int32_t>(Algorithm::kPull)) {
+    return ffi::Error::InvalidArgument("b12x_jax.all_reduce: unknown algorithm " + std::to_string(algorithm));
+  }
+  const Plan plan = plan_for(bytes, v.world, static_cast<Algorithm>(algorithm), v);
   const auto* in = static_cast<const Pack*>(x.untyped_data());
   switch (x.element_type()) {
     case ffi::DataType::F32:
-      launch<DType::kF32>(lamport, grid, stream, v, in, out, packs, per_block);
+      launch<DType::kF32>(plan, stream, v, in, out, packs);
       break;
     case ffi::DataType::BF16:
-      launch<DType::kBF16>(lamport, grid, stream, v, in, out, packs, per_block);
+      launch<DType::kBF16>(plan, stream, v, in, out, packs);
       break;
     case ffi::DataType::F16:
-      launch<DType::kF16>(lamport, grid, stream, v, in, out, packs, per_block);
+      launch<DType::kF16>(plan, stream, v, in, out, packs);
       break;
     default:
       return ffi::Error::InvalidArgument("b12x_jax.all_reduce: dtype must be float32, bfloat16 or float16");
@@ -181,5 +354,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_all_reduce_cuda, b12x::AllReduceCuda,
                                   .Ctx<xla::ffi::DeviceOrdinal>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<std::string_view>("channel_id"),
+                                  .Attr<std::string_view>("channel_id")
+                                  .Attr<int32_t>("algorithm"),  // above the Lamport window: see Algorithm
                               {xla::ffi::Traits::kCmdBufferCompatible});

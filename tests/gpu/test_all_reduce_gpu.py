@@ -149,3 +149,39 @@ def test_a_failed_peer_probe_lowers_to_psum_or_raises_under_strict(monkeypatch):
 def test_close_with_calls_still_queued_on_gpus_finishes_them_or_they_raise_clear_errors():
   result = run_worker("close_pending", "--platform", "gpu", "--runs", "200", hard_timeout=300)
   assert result["right"] + result["failed"] == 200 and result["right"] > 0 and result["prepared"] == [], result
+
+
+@pytest.mark.parametrize("algorithm", ["two_shot", "one_shot_pull"])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("nbytes", [LAMPORT_BYTES + 16, (2 << 20) + 48, 8 << 20, 32 << 20])
+def test_two_shot_and_pull_match_float64_reference_on_every_rank(algorithm, dtype_name, nbytes):
+  with fresh_communicator(poison_outputs=True, algorithm=algorithm, capacity_bytes=32 << 20) as comm:
+    _check_values(nbytes, dtype_name)
+    assert algorithm in comm.decisions[-1].reason
+
+
+def test_lamport_one_shot_two_shot_and_pull_calls_interleave_on_one_channel():
+  # One executable per algorithm setting, alternated on one channel: the four kernels share its
+  # counters and staging slots (two-shot takes two epochs per call).
+  mesh = _mesh()
+  rng = np.random.default_rng(21)
+  sizes = [4096, (1 << 20) + 4096, 3 << 20]  # elements of float32: Lamport, then above the window
+  fns = {}
+  with fresh_communicator(poison_outputs=True, capacity_bytes=16 << 20, algorithm="one_shot") as comm:
+    specs = (P("x"),) * len(sizes)
+    with b12x_jax.channel("mixed-algorithms"):
+      for algorithm in ("one_shot", "two_shot", "one_shot_pull"):
+        comm.algorithm = algorithm  # traced under each setting: two executables on one channel
+
+        def body(*xs):  # a new function each time: no tracing-cache hit across the settings
+          return tuple(b12x_jax.all_reduce(x, "x") for x in xs)
+        fns[algorithm] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs)).lower(
+            *[jax.ShapeDtypeStruct((N * s,), np.float32, sharding=NamedSharding(mesh, P("x"))) for s in sizes]
+        ).compile()
+      for i in range(60):
+        shards = [random_shards(rng, N, s, np.float32) for s in sizes]
+        outs = fns[("one_shot", "two_shot", "one_shot_pull")[i % 3]](
+            *[jax.device_put(s.reshape(-1), NamedSharding(mesh, P("x"))) for s in shards])
+        for s, out in zip(shards, outs):
+          assert_sum_matches(np.asarray(out).reshape(N, -1), s, "float32")
+    b12x_jax.check_errors()
