@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One command for the 2-GPU machine (no network): build in place, run the
 # GPU tests and the benchmarks, print a short summary. Logs go to $OUT when set.
-#   bash scripts/gpu_check.sh [all|tests|bench]   (two halves fit the device's per-call limit)
+#   bash scripts/gpu_check.sh [all|tests|bench|perf]
+# (tests and bench are two halves that each fit the device's per-call limit;
+# perf is bench without the examples, the capture check and the multi-process benchmark)
 set -uo pipefail
 PART=${1:-all}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -41,6 +43,7 @@ echo "multi-process gpu tests rc=$mp_tests_rc"
 fi
 [ "$PART" = tests ] && { echo "== summary: gpu tests rc=$tests_rc"; exit $tests_rc; }
 
+if [ "$PART" != perf ]; then
 echo "== quickstart"
 $PY examples/quickstart.py 2>&1 | grep -v "^W\|^I" | tail -8
 
@@ -63,6 +66,7 @@ for f in "$dump"/*thunk_sequence_after_thunk_passes.txt; do
   [ -e "$f" ] || { echo "no thunk sequence dumped (nothing converted)"; break; }
   echo "$(basename "$f" | cut -c1-60): kCommandBuffer=$(grep -c kCommandBuffer "$f") kCustomCall=$(grep -c kCustomCall "$f")"
 done | head -8
+fi
 
 echo "== benchmark"
 $PY benchmarks/all_reduce.py --json "$OUT/all_reduce.json" 2>&1 | tee "$OUT/bench.log" | grep -v "^W\|^I"
@@ -90,9 +94,11 @@ echo "== dcp_a2a benchmark"
 $PY benchmarks/dcp_a2a.py --json "$OUT/dcp_a2a.json" 2>&1 | tee "$OUT/dcp_bench.log" | grep -v "^W\|^I"
 
 # ---- one process per GPU (jax.distributed, CUDA IPC): 2 processes, one GPU each ----
+if [ "$PART" != perf ]; then
 echo "== multi-process benchmark (b12x vs psum across 2 processes)"
 $PY benchmarks/all_reduce_multiprocess.py --json "$OUT/all_reduce_multiprocess.json" 2>&1 \
   | tee "$OUT/bench_mp.log" | grep -v "^W\|^I"
+fi
 
 echo "== summary: gpu tests rc=$tests_rc"
 exit $tests_rc
