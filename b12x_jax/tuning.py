@@ -35,9 +35,14 @@ class Crossover:
   source: str = "none: one-shot at every size"
 
 
-# Measured on this project's machines (benchmarks/RESULTS.md); keyed by
-# (jax device_kind, world size).
-DEFAULTS: dict[tuple[str, int], Crossover] = {}
+# Measured on this project's machines (benchmarks/RESULTS.md, 2026-11-29);
+# keyed by (jax device_kind, world size). 2x H200: two-shot beat one-shot
+# from 8 MiB in one run and from 32 MiB in another (they tie at 16 MiB);
+# psum beat both only at 64 MiB in one of two runs, by 2%: not taken.
+DEFAULTS: dict[tuple[str, int], Crossover] = {
+    ("NVIDIA H200", 2): Crossover(two_shot_from=16 << 20, psum_from=None,
+                                  source="measured default for 2x NVIDIA H200"),
+}
 
 
 def cache_path() -> str:

@@ -28,7 +28,7 @@ echo "built in $(( $(date +%s) - start )) s"
 $PY -c 'import b12x_jax, b12x_jax._b12x as m; print("extension:", m.__file__, "cuda:", m.has_cuda())'
 
 tests_rc=0
-if [ "$PART" != bench ]; then
+if [ "$PART" = all ] || [ "$PART" = tests ]; then
 echo "== GPU tests (torture: ${B12X_TORTURE_CALLS:=4000} calls per CUDA-graphs setting)"
 export B12X_TORTURE_CALLS
 $PY -m pytest tests/gpu -m gpu -x -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" \
