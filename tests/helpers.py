@@ -14,13 +14,18 @@ DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.f
 RTOL = {"float32": 1e-6, "bfloat16": 8e-3, "float16": 1e-3}
 
 
-@contextlib.contextmanager
 def fresh_communicator(**options):
-  """A new Communicator with ``options`` for the block (the current one is
-  closed first: one communicator holds channels at a time), then a default.
+  """A new Communicator with ``options`` for the block (see installed).
   Options the constructor rejects raise before anything is closed."""
   import b12x_jax
-  comm = b12x_jax.Communicator(**options)
+  return installed(b12x_jax.Communicator(**options))
+
+
+@contextlib.contextmanager
+def installed(comm):
+  """``comm`` as the communicator for the block (the current one is closed
+  first: one communicator holds channels at a time), then a default."""
+  import b12x_jax
   b12x_jax.get_communicator().close()
   b12x_jax.set_communicator(comm)
   try:

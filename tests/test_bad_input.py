@@ -8,7 +8,6 @@ error the library is still usable on the same channel."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 
@@ -21,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import b12x_jax
 from helpers import (DTYPES, RTOL, assert_merge_matches, assert_sum_matches, attention_shards, fresh_communicator,
-                     put_sharded, random_shards)
+                     installed, put_sharded, random_shards)
 
 CHANNEL = "bad-input"  # plus the axis size: a device serves a channel in one group only
 LSE_BYTES = 4  # one float32 lse per staged row of dcp_a2a
@@ -562,19 +561,6 @@ def test_a_bad_communicator_setting_is_a_clear_error(cpu_mesh, setting, value):
   _assert_still_usable(cpu_mesh(2))
 
 
-@contextlib.contextmanager
-def _installed(comm: b12x_jax.Communicator):
-  """``comm`` as the communicator for the block (the current one closed
-  first), then a default."""
-  b12x_jax.get_communicator().close()
-  b12x_jax.set_communicator(comm)
-  try:
-    yield comm
-  finally:
-    comm.close()
-    b12x_jax.set_communicator(b12x_jax.Communicator())
-
-
 def _accepted_or_rejected_clearly(mesh, setting: str, value) -> None:
   """``Communicator(setting=value)`` either raises an error naming
   Communicator and the setting, or makes a communicator that works."""
@@ -583,7 +569,7 @@ def _accepted_or_rejected_clearly(mesh, setting: str, value) -> None:
   except (TypeError, ValueError) as e:
     _assert_names(str(e), "Communicator", rf"\b{setting}\b")
   else:
-    with _installed(comm):
+    with installed(comm):
       _assert_still_usable(mesh)
   _assert_still_usable(mesh)
 

@@ -19,7 +19,9 @@ def _setup(platform: str, devices: int, xla_flags: str = "") -> None:
   if platform == "cpu":
     os.environ["JAX_PLATFORMS"] = "cpu"
     flags.append(f"--xla_force_host_platform_device_count={devices}")
-  os.environ["XLA_FLAGS"] = " ".join(flags + [os.environ.get("XLA_FLAGS", "")]).strip()
+  inherited = [f for f in os.environ.get("XLA_FLAGS", "").split()  # the test process's device count is not ours
+               if not f.startswith("--xla_force_host_platform_device_count")]
+  os.environ["XLA_FLAGS"] = " ".join(flags + inherited).strip()
 
 
 def timeout_mode(args) -> dict:
