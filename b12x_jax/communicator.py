@@ -34,7 +34,7 @@ import jax
 from b12x_jax import _compat, _native, rendezvous
 from b12x_jax.channels import channel as channel_scope
 from b12x_jax.channels import is_strict, validate_channel_name
-from b12x_jax.errors import ChannelError, CollectiveTimeoutError, IneligibleError, TransportError
+from b12x_jax.errors import B12xError, ChannelError, CollectiveTimeoutError, IneligibleError, TransportError
 
 MiB = 1 << 20
 Policy = Literal["auto", "strict", "psum"]
@@ -146,7 +146,7 @@ class Communicator:
 
   def choose_path(self, op: str, channel: str, nbytes: int, dtype, axis_size: int, *, unit: str = "payload",
                   arg: str = "x", staged_bytes: int | None = None, fallback: str = "psum",
-                  shrink: str | None = None) -> Decision:
+                  shrink: str | None = None, detail: str = "", prefer_fallback: str | None = None) -> Decision:
     """Decides, at trace time, whether a call over ``axis_size`` ranks runs
     on b12x or on its ``fallback`` path; raises under policy "strict" where
     b12x cannot run it, naming the op, the argument ``arg`` and the fix.
@@ -156,25 +156,29 @@ class Communicator:
     bytes (all_reduce: the payload; dcp_a2a: one row of out), and
     ``staged_bytes`` (default ``nbytes``) what one call stages per source,
     which must fit ``capacity_bytes``; ``shrink`` says how to stage less
-    (default: a smaller ``arg``)."""
+    (default: a smaller ``arg``). ``prefer_fallback``, a reason, takes the
+    fallback inside the window too under policy "auto" (a measured crossover
+    says it is faster); ``detail`` is added to the reason of a b12x path."""
     name = np.dtype(dtype).name
     staged = nbytes if staged_bytes is None else staged_bytes
     if self.policy == "psum":
       reason, fix = f"policy 'psum' forces the {fallback} path", ""
     elif name not in _SUPPORTED_DTYPES:
       reason = f"{arg} has dtype {name}, not one of {_SUPPORTED_DTYPES}"
-      fix = f"cast {arg} to one of them ({arg}.astype(jnp.bfloat16))"
+      fix = f"Cast {arg} to one of them ({arg}.astype(jnp.bfloat16))"
     elif nbytes % PACK_BYTES:
       reason = f"{unit} of {nbytes} bytes is not a multiple of 16 bytes"
       fix = f"Pad the {unit} to a multiple of 16 bytes"
     elif staged > self.capacity_bytes:
       reason = f"{arg} stages {staged} bytes per source, which exceeds capacity_bytes={self.capacity_bytes}"
-      fix = f"raise Communicator(capacity_bytes=...) or {shrink or f'split {arg} into smaller calls'}"
+      fix = f"Raise Communicator(capacity_bytes=...) or {shrink or f'split {arg} into smaller calls'}"
     elif axis_size > 8:
       reason = f"the axis has {axis_size} devices, more than the 8 ranks a channel serves"
-      fix = "use an axis of at most 8 devices"
+      fix = "Use an axis of at most 8 devices"
+    elif prefer_fallback is not None and self.policy == "auto":
+      return self._record(Decision(op, channel, fallback, prefer_fallback))
     else:
-      return self._record(Decision(op, channel, "b12x", "inside the b12x window"))
+      return self._record(Decision(op, channel, "b12x", "inside the b12x window" + (f"; {detail}" if detail else "")))
     if self.policy == "strict":
       raise IneligibleError(f"b12x_jax.{op}: {reason} (policy 'strict'). {fix}, or use policy='auto' to fall "
                             f"back to {fallback}")
@@ -288,7 +292,8 @@ class Communicator:
 
   def stats(self, channel: str, device) -> dict:
     """Read-only state of ``device``'s rank on ``channel``: rank, world,
-    epoch (calls completed), poisoned, capacity_bytes, lamport_bytes (0 on
+    epoch (calls completed; a two-shot all-reduce counts two), poisoned,
+    capacity_bytes, lamport_bytes (0 on
     CPU and where the Lamport path is off). For tests and
     debugging; on CUDA it copies from the device."""
     return _native.stats(_compat.platform_of([device]), channel, _compat.device_ordinal(device))
@@ -329,11 +334,15 @@ class Communicator:
     """Releases every channel, in sorted name order (collective where shared
     between processes: every process calls it). Harmless to call twice."""
     with self._lock:
-      try:
-        for channel in sorted({name for _, name in self._groups}):
+      errors = []
+      for channel in sorted({name for _, name in self._groups}):
+        try:
           self.release(channel)
-      finally:
-        self._closed = True
+        except B12xError as e:  # release the rest, then report
+          errors.append(e)
+      self._closed = True
+      if errors:
+        raise errors[0]
 
   @contextlib.contextmanager
   def throwaway(self, channel: str) -> Iterator[str]:

@@ -8,9 +8,10 @@ win somewhere. The crossovers are measured: ``calibrate`` times the three on
 the machine once and stores them; ``crossover_for`` looks them up (the
 stored calibration, else the measured defaults below, else one-shot always).
 
-Every process of a host reads the same stored file, so every rank of a
-channel picks the same algorithm (they must: the two kernels stage
-differently).
+Every rank of a channel must pick the same algorithm (the kernels stage
+differently): in one process one trace decides for all ranks; with several
+processes only the packaged table (DEFAULTS) is used, never a stored file,
+which could differ between processes.
 """
 
 from __future__ import annotations
@@ -54,16 +55,19 @@ def _key(device_kind: str, world: int) -> str:
   return f"{device_kind}/{world}"
 
 
-def crossover_for(device_kind: str, world: int) -> Crossover:
-  """The stored calibration for (device_kind, world), else the measured
-  default, else one-shot everywhere (psum only beyond capacity_bytes)."""
-  try:
-    with open(cache_path()) as f:
-      stored = json.load(f).get(_key(device_kind, world))
-  except (OSError, ValueError):
-    stored = None
-  if stored is not None:
-    return Crossover(stored.get("two_shot_from"), stored.get("psum_from"), f"calibrated ({cache_path()})")
+def crossover_for(device_kind: str, world: int, *, stored: bool = True) -> Crossover:
+  """The stored calibration for (device_kind, world) (unless ``stored`` is
+  False), else the measured default, else one-shot everywhere (psum only
+  beyond capacity_bytes)."""
+  calibrated = None
+  if stored:
+    try:
+      with open(cache_path()) as f:
+        calibrated = json.load(f).get(_key(device_kind, world))
+    except (OSError, ValueError):
+      pass
+  if calibrated is not None:
+    return Crossover(calibrated.get("two_shot_from"), calibrated.get("psum_from"), f"calibrated ({cache_path()})")
   return DEFAULTS.get((device_kind, world), Crossover())
 
 

@@ -189,7 +189,7 @@ NB_MODULE(_b12x, m) {
     std::string busy;
     for (std::unique_ptr<ChannelGroup>& group : taken) {
       if (group->wait_idle()) continue;
-      busy = busy_message(*group);
+      busy += (busy.empty() ? "" : "\n") + busy_message(*group);
       (void)group.release();  // kept: see above
     }
     if (!busy.empty()) throw std::runtime_error(busy);

@@ -35,9 +35,10 @@ inline constexpr int kLamportBuffers = 3;
 // every peer through these words only, so blocks never wait on each other
 // inside a rank.
 struct alignas(128) Signal {
-  // counter[b][p]: calls in which block b of this rank met peer p. It is the
-  // channel's epoch as seen by that block and selects the staging slot
-  // (counter % 2). Written only by this rank.
+  // counter[b][p]: barriers at which block b of this rank met peer p (one
+  // per call, two for a two-shot all-reduce). It is the channel's epoch as
+  // seen by that block and selects the staging slot (counter % 2). Written
+  // only by this rank.
   uint32_t counter[kMaxBlocks][kMaxRanks];
   // flag[parity][b][p]: the last counter value peer p announced to block b of
   // this rank. Two parity words let a peer that is one call ahead announce

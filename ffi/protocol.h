@@ -1,4 +1,4 @@
-// The one-shot protocol, written once for every backend (DESIGN §2).
+// The barrier protocol, written once for every backend (DESIGN §2).
 //
 // A backend supplies a memory policy `Mem` with:
 //   load_acquire(p), load_relaxed(p), store_release(p, v), fence(),
@@ -22,6 +22,13 @@
 // lands in a cell a peer is still reading, and the two parity flags keep an
 // announcement of call k+1 from overwriting the one of call k before it was
 // seen.
+//
+// The argument is per barrier, so a kernel may run several: two-shot
+// all-reduce is two barrier calls (epochs e and e + 1, one per phase), and
+// a kernel may read a cell on the writer's side instead (pull one-shot: each
+// rank writes its own cell in call k and peers read it before joining the
+// barrier of call k + 1). Every rank runs the same sequence of barriers on a
+// channel, since every rank runs the same program.
 #pragma once
 
 #include "channel.h"
@@ -57,8 +64,9 @@ B12X_HD void arrive(const ChannelView& v, int block, int peer, uint32_t epoch) {
 
 // Record the first timeout of this rank and poison the channel: the claim on
 // the device-local `poisoned` word makes exactly one waiter write the record.
-// The fence orders this rank's earlier announcements before the poison, so a
-// peer that sees the poison and then looks for them finds them (poll_peer).
+// The fence orders this thread's earlier announcements before the poison; a
+// peer that sees the poison looks for its announcement once more (poll_peer)
+// before it gives up.
 template <class Mem>
 B12X_HD void record_timeout(const ChannelView& v, int peer, uint32_t epoch, bool peer_gave_up) {
   Mem::fence();

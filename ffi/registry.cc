@@ -30,6 +30,17 @@ std::string Registry::add(std::unique_ptr<ChannelGroup> group) {
 
 RankHandle Registry::find(Platform platform, std::string_view channel, int ordinal) const {
   std::shared_lock lock(mutex_);
+  return find_locked(platform, channel, ordinal);
+}
+
+RankLease Registry::lease(Platform platform, std::string_view channel, int ordinal) const {
+  RankLease lease;
+  lease.lock = std::shared_lock(mutex_);
+  static_cast<RankHandle&>(lease) = find_locked(platform, channel, ordinal);
+  return lease;
+}
+
+RankHandle Registry::find_locked(Platform platform, std::string_view channel, int ordinal) const {
   for (const auto& group : groups_) {
     if (group->platform() != platform || group->channel() != channel) continue;
     const auto& ordinals = group->ordinals();
@@ -65,10 +76,15 @@ size_t Registry::retire(Platform platform, std::string_view channel) {
   }
   // Outside the lock: closing waits for the device, and handlers of other
   // channels must still find theirs meanwhile.
+  std::string busy;
   for (ChannelGroup* group : closing) {
-    if (!group->wait_idle()) throw std::runtime_error(busy_message(*group));
-    group->close_imports();
+    if (group->wait_idle()) {
+      group->close_imports();
+    } else {
+      busy += (busy.empty() ? "" : "\n") + busy_message(*group);
+    }
   }
+  if (!busy.empty()) throw std::runtime_error(busy);
   return closing.size();
 }
 
@@ -117,9 +133,9 @@ std::string timeout_message(const ChannelGroup& group, int rank) {
 }
 
 std::string busy_message(const ChannelGroup& group) {
-  return "b12x_jax: channel '" + group.channel() + "' still has calls queued " +
-         std::to_string(2 * group.options().timeout_s + 1) + " s after it was taken out of use; its memory is "
-         "kept (a queued call may still touch it). Block on the results of its calls before releasing it.";
+  return "b12x_jax: channel '" + group.channel() + "' still has calls queued that stopped finishing after it "
+         "was taken out of use; its memory is kept (a queued call may still touch it). Block on the results "
+         "of its calls before releasing it.";
 }
 
 std::string pending_error(const ChannelGroup& group, int rank) {

@@ -96,6 +96,14 @@ struct RankHandle {
   const ChannelView& view() const { return group->view(rank); }
 };
 
+// A rank found for one handler call, holding the registry's shared lock
+// until the handler has launched or queued its work: a release (which takes
+// the lock exclusively, then waits for queued work) cannot free the group
+// between the lookup and the launch.
+struct RankLease : RankHandle {
+  std::shared_lock<std::shared_mutex> lock;
+};
+
 class Registry {
  public:
   static Registry& get();
@@ -104,6 +112,8 @@ class Registry {
   // already serves this channel in another group.
   std::string add(std::unique_ptr<ChannelGroup> group);
   RankHandle find(Platform platform, std::string_view channel, int ordinal) const;
+  // find, for a handler: see RankLease.
+  RankLease lease(Platform platform, std::string_view channel, int ordinal) const;
   // Takes every group of `channel` on `platform` out of use (handlers no
   // longer find it), waits until it is idle and closes its imports; its own
   // memory stays until `take`. Returns how many groups it retired; throws
@@ -114,6 +124,8 @@ class Registry {
   std::vector<const ChannelGroup*> groups() const;
 
  private:
+  RankHandle find_locked(Platform platform, std::string_view channel, int ordinal) const;
+
   mutable std::shared_mutex mutex_;
   std::vector<std::unique_ptr<ChannelGroup>> groups_;
   std::vector<std::unique_ptr<ChannelGroup>> retired_;

@@ -87,6 +87,13 @@ def multiprocess():
   return run
 
 
+@pytest.fixture(autouse=True)
+def no_stored_calibration(tmp_path_factory, monkeypatch):
+  """Tests see the packaged crossover table only, never a calibration
+  stored on this machine (tests of tuning.py point it elsewhere)."""
+  monkeypatch.setenv("B12X_JAX_CACHE", str(tmp_path_factory.mktemp("b12x_cache")))
+
+
 @pytest.fixture
 def cpu_mesh():
   """A factory of 1-D meshes of n emulated CPU devices on axis 'x'."""

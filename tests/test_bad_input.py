@@ -288,7 +288,7 @@ def test_a_payload_16_bytes_above_the_capacity_is_an_error_under_strict(cpu_mesh
     with pytest.raises(b12x_jax.IneligibleError) as info:
       _all_reduce(mesh, random_shards(np.random.default_rng(4), 2, elems, DTYPES[dtype_name]))
     _assert_names(str(info.value), "b12x_jax.all_reduce", rf"{CAPACITY + 16} bytes .*capacity_bytes={CAPACITY}",
-                  fix=r"raise Communicator\(capacity_bytes=\.\.\.\) or split x into smaller calls, or use policy='auto'")
+                  fix=r"Raise Communicator\(capacity_bytes=\.\.\.\) or split x into smaller calls, or use policy='auto'")
     _assert_still_usable(mesh)
 
 
@@ -318,7 +318,7 @@ def _strict_dcp(mesh, batch, dim):
     pytest.param("misaligned payload", lambda m: _strict_all_reduce(m, np.float32, 3), r"payload of 12 bytes",
                  r"Pad the payload to a multiple of 16 bytes", id="all_reduce-misaligned"),
     pytest.param("integer payload", lambda m: _strict_all_reduce(m, np.int32, 16), r"\bx\b|payload",
-                 r"cast", id="all_reduce-int32"),
+                 r"Cast x", id="all_reduce-int32"),
     pytest.param("payload over capacity", lambda m: _strict_all_reduce(m, np.float32, CAPACITY // 4 + 4),
                  r"\bx\b|payload", r"capacity_bytes", id="all_reduce-over-capacity"),
     pytest.param("misaligned rows", lambda m: _strict_dcp(m, 1, 12), r"row of out of 24 bytes",
@@ -492,7 +492,7 @@ def test_the_largest_batch_that_fits_runs_on_b12x_and_one_more_is_an_error_under
       _dcp(mesh, outs, lses)
     staged = _staged_bytes(batch + 1, heads, dim, itemsize, n, blocks)
     _assert_names(str(info.value), "b12x_jax.dcp_a2a", rf"out stages {staged} bytes per source, which exceeds "
-                  rf"capacity_bytes={capacity}", fix=r"raise Communicator\(capacity_bytes=\.\.\.\) or split the batch B")
+                  rf"capacity_bytes={capacity}", fix=r"Raise Communicator\(capacity_bytes=\.\.\.\) or split the batch B")
     _assert_still_usable(mesh)
 
 

@@ -43,8 +43,9 @@ def test_the_stored_calibration_picks_two_shot_and_psum_by_size(cpu_mesh, tmp_pa
                                                                       "psum_from": 8 * MiB}}))
   assert tuning.crossover_for(kind, 2).two_shot_from == 2 * MiB
   assert tuning.crossover_for(kind, 4) == tuning.DEFAULTS.get((kind, 4), tuning.Crossover())
+  assert tuning.crossover_for(kind, 2, stored=False) == tuning.DEFAULTS.get((kind, 2), tuning.Crossover())
   mesh = cpu_mesh(2)
-  with fresh_communicator(capacity_bytes=16 * MiB) as comm, b12x_jax.channel("tuned"):
+  with fresh_communicator(capacity_bytes=16 * MiB, lamport_bytes=0) as comm, b12x_jax.channel("tuned"):
     assert "algorithm = 0 : i32" in _lowered(mesh, MiB // 4)  # 1 MiB: one-shot
     assert "algorithm = 1 : i32" in _lowered(mesh, MiB)  # 4 MiB
     assert "two_shot from 2097152 bytes (calibrated" in comm.decisions[-1].reason
@@ -52,19 +53,23 @@ def test_the_stored_calibration_picks_two_shot_and_psum_by_size(cpu_mesh, tmp_pa
     assert "b12x_all_reduce" not in text and comm.decisions[-1].path == "psum", comm.decisions[-1]
   with fresh_communicator(capacity_bytes=16 * MiB, algorithm="one_shot"), b12x_jax.channel("forced"):
     assert "algorithm = 0 : i32" in _lowered(mesh, 2 * MiB)  # the setting wins over the table
+  with fresh_communicator(capacity_bytes=16 * MiB, policy="strict") as comm, b12x_jax.channel("strict"):
+    assert "algorithm = 1 : i32" in _lowered(mesh, 2 * MiB)  # strict: never psum, the faster b12x kernel
+    assert comm.decisions[-1].path == "b12x"
 
 
-def test_two_shot_gives_the_same_bits_as_one_shot(cpu_mesh):
-  # The host backend reduces in one shot either way; on GPUs tests/gpu checks the two-shot kernel.
+def test_every_algorithm_lowers_its_attribute_and_gives_the_same_bits_on_the_host(cpu_mesh):
+  # The host backend reduces in one shot whatever the attribute; tests/gpu checks each CUDA kernel.
   mesh = cpu_mesh(2)
   shards = random_shards(np.random.default_rng(3), 2, 4096, np.float32)
   fn = jax.jit(jax.shard_map(lambda x: b12x_jax.all_reduce(x, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
   outs = []
-  for algorithm in ("one_shot", "two_shot"):
-    with fresh_communicator(algorithm=algorithm), b12x_jax.channel("algo"):
+  for code, algorithm in enumerate(("one_shot", "two_shot", "one_shot_pull")):
+    with fresh_communicator(algorithm=algorithm, lamport_bytes=0), b12x_jax.channel("algo"):
+      assert f"algorithm = {code} : i32" in _lowered(mesh, 4096)
       outs.append(np.asarray(fn(jax.device_put(shards.reshape(-1), NamedSharding(mesh, P("x"))))).reshape(2, -1))
   assert_sum_matches(outs[1], shards, "float32")
-  assert np.array_equal(outs[0].view(np.uint8), outs[1].view(np.uint8))
+  assert all(np.array_equal(outs[0].view(np.uint8), out.view(np.uint8)) for out in outs[1:])
 
 
 def test_calibrate_measures_stores_and_is_read_back(cpu_mesh, tmp_path, monkeypatch):

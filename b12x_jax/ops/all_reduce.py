@@ -1,8 +1,6 @@
-"""all_reduce: one-shot sum over a mesh axis (DESIGN §1, §2)."""
+"""all_reduce: sum over a mesh axis, one-shot or two-shot (DESIGN §1, §2)."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -44,40 +42,45 @@ def all_reduce(x, axis_name: str, *, channel: str | None = None) -> jax.Array:
   Takes the b12x path for float32/bfloat16/float16 payloads that are a
   multiple of 16 bytes and at most the communicator's ``capacity_bytes``;
   otherwise psum (policy "auto") or an IneligibleError (policy "strict").
-  The choice is recorded in ``get_communicator().decisions``.
+  Under "auto", psum also where the measured crossovers say it is faster.
+  Above the Lamport window the kernel is one-shot or two-shot by the
+  communicator's ``algorithm`` (b12x_jax.tuning when "auto"). The choice
+  and the reason are recorded in ``get_communicator().decisions``.
   """
   x = _check_operand(x)
   size = axis_size(axis_name, _OP)
   name = resolve_channel(channel, _OP)
   if size == 1:
     return x
+  if x.size == 0:  # nothing crosses the link
+    return jax.lax.psum(x, axis_name)
   comm = get_communicator()
   nbytes = x.size * x.dtype.itemsize
-  decision = comm.choose_path(_OP, name, nbytes, x.dtype, size)
+  algorithm, why, psum_is_faster = _algorithm(comm, nbytes, size)
+  decision = comm.choose_path(_OP, name, nbytes, x.dtype, size, detail=why, prefer_fallback=psum_is_faster)
   if decision.path == "psum":
     return jax.lax.psum(x, axis_name)
-  algorithm, why = _algorithm(comm, nbytes, size)
-  if algorithm == "psum" and comm.policy == "auto":
-    comm.decisions[-1] = dataclasses.replace(decision, path="psum", reason=why)
-    return jax.lax.psum(x, axis_name)
-  comm.decisions[-1] = dataclasses.replace(decision, reason=f"{decision.reason}; {why}")
   return all_reduce_p.bind(x, axis_name=axis_name, channel=name, algorithm=np.int32(_ALGORITHM_CODES[algorithm]))
 
 
-def _algorithm(comm, nbytes: int, size: int) -> tuple[str, str]:
-  """"one_shot", "two_shot", "one_shot_pull" or "psum" for ``nbytes`` over ``size`` ranks,
-  and why: the Communicator's setting, else the crossovers of tuning.py
-  (payloads in the Lamport window take it whatever is chosen here)."""
+def _algorithm(comm, nbytes: int, size: int) -> tuple[str, str, str | None]:
+  """The kernel for ``nbytes`` over ``size`` ranks above the Lamport window
+  ("one_shot", "two_shot" or "one_shot_pull"), why, and why psum would be
+  faster (or None): the Communicator's setting, else the crossovers of
+  tuning.py. With several processes only the packaged table is used: every
+  process must choose alike, and a per-user stored calibration may differ
+  between them."""
   if comm.algorithm != "auto":
-    return comm.algorithm, f"{comm.algorithm} (Communicator(algorithm={comm.algorithm!r}))"
+    return comm.algorithm, f"{comm.algorithm} (Communicator(algorithm={comm.algorithm!r}))", None
   if nbytes <= comm.lamport_bytes:
-    return "one_shot", "Lamport window"
-  crossover = tuning.crossover_for(jax.devices()[0].device_kind, size)
-  if crossover.psum_from is not None and nbytes >= crossover.psum_from:
-    return "psum", f"psum is faster from {crossover.psum_from} bytes ({crossover.source})"
+    return "one_shot", "within lamport_bytes (the Lamport exchange on CUDA)", None
+  crossover = tuning.crossover_for(jax.devices()[0].device_kind, size, stored=jax.process_count() == 1)
   if crossover.two_shot_from is not None and nbytes >= crossover.two_shot_from:
-    return "two_shot", f"two_shot from {crossover.two_shot_from} bytes ({crossover.source})"
-  return "one_shot", f"one_shot ({crossover.source})"
+    algorithm, why = "two_shot", f"two_shot from {crossover.two_shot_from} bytes ({crossover.source})"
+  else:
+    algorithm, why = "one_shot", f"one_shot ({crossover.source})"
+  faster = crossover.psum_from is not None and nbytes >= crossover.psum_from
+  return algorithm, why, f"psum is faster from {crossover.psum_from} bytes ({crossover.source})" if faster else None
 
 
 # -- lowering ---------------------------------------------------------------------

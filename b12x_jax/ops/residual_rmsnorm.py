@@ -18,9 +18,21 @@ from b12x_jax.ops.all_reduce import all_reduce
 _OP = "all_reduce_residual_rmsnorm"
 _TARGET = "b12x_residual_rmsnorm"
 _DTYPES = ("float32", "bfloat16", "float16")
-# Largest grid of a channel (ffi/channel.h kMaxBlocks): a CUDA block takes
-# whole rows into its Lamport cell of lamport_bytes / max_blocks bytes.
+# Largest grid of a channel (ffi/channel.h kMaxBlocks).
 _MAX_BLOCKS = 64
+
+
+def _grid_limit(max_blocks: int | None) -> int:
+  """The grid a channel gets, as the native layer resolves it
+  (cuda_channel.cu, resolve_max_blocks): the Communicator's max_blocks,
+  else min(64, the SM count of the smallest visible GPU)."""
+  if max_blocks is not None:
+    return max_blocks
+  try:
+    sms = [getattr(d, "core_count", _MAX_BLOCKS) for d in jax.devices("gpu")]
+  except RuntimeError:  # no GPU: the host backend has no cells to fit
+    sms = []
+  return min([_MAX_BLOCKS, *sms])
 
 # -- validation -----------------------------------------------------------------
 
@@ -81,7 +93,8 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
 
   Fused (one kernel on CUDA, the Lamport exchange of all_reduce) when the
   rows fit the channel's Lamport window (``Communicator(lamport_bytes=...)``,
-  whole rows per block of at most 64); otherwise the same result from
+  whole rows per block, at most 64 blocks or the GPU's SM count); otherwise
+  the same result from
   ``all_reduce`` followed by the add and norm in jnp, with the reason in
   ``get_communicator().decisions``.
   """
@@ -93,7 +106,7 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
   comm = get_communicator()
   row_bytes = x.shape[-1] * x.dtype.itemsize
   rows = x.size // x.shape[-1]
-  why_not = _fused_window(rows, row_bytes, comm.lamport_bytes, comm.max_blocks or _MAX_BLOCKS)
+  why_not = _fused_window(rows, row_bytes, comm.lamport_bytes, _grid_limit(comm.max_blocks))
   if size > 1 and why_not is None:
     decision = comm.choose_path(_OP, name, x.size * x.dtype.itemsize, x.dtype, size)
     if decision.path == "b12x":

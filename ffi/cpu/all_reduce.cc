@@ -80,7 +80,7 @@ ffi::Future AllReduceHost(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::An
                           std::string_view channel_id, int32_t /*algorithm*/) {
   ffi::Promise promise;
   ffi::Future future(promise);
-  const RankHandle handle = Registry::get().find(Platform::kHost, channel_id, ordinal);
+  const RankLease handle = Registry::get().lease(Platform::kHost, channel_id, ordinal);
   const size_t bytes = x.size_bytes();
   const Reducer reduce = reducer_for(x.element_type());
   if (!handle) {
@@ -111,7 +111,7 @@ ffi::Future ResidualRmsnormHost(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffe
                                 std::string_view channel_id, float eps) {
   ffi::Promise promise;
   ffi::Future future(promise);
-  const RankHandle handle = Registry::get().find(Platform::kHost, channel_id, ordinal);
+  const RankLease handle = Registry::get().lease(Platform::kHost, channel_id, ordinal);
   const size_t bytes = x.size_bytes();
   const Reducer reduce = reducer_for(x.element_type());
   const Normalizer normalize = normalizer_for(x.element_type());

@@ -91,7 +91,7 @@ ffi::Future DcpA2aHost(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer lse, ff
                        ffi::RemainingRets rets, std::string_view channel_id, bool base2, bool return_lse) {
   ffi::Promise promise;
   ffi::Future future(promise);
-  const RankHandle handle = Registry::get().find(Platform::kHost, channel_id, ordinal);
+  const RankLease handle = Registry::get().lease(Platform::kHost, channel_id, ordinal);
   DcpShape s{};
   float* out_lse = nullptr;
   const std::string problem = handle ? check_call(handle, x, lse, rets, base2, return_lse, s, out_lse)

@@ -1,6 +1,7 @@
 #include "progress.h"
 
 #include <chrono>
+#include <cstdint>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -28,13 +29,20 @@ class ProgressEngine {
     return *engine;
   }
 
+  // `seconds` bounds the wait for the next call of `group` to finish: the
+  // deadline moves on whenever one does, so a long queue of calls that all
+  // complete is waited for, and a queue that stops moving is not.
   bool wait_idle(const ChannelGroup* group, double seconds) {
-    const uint64_t deadline = HostMem::now_ns() + static_cast<uint64_t>(seconds * 1e9);
+    const uint64_t bound = static_cast<uint64_t>(seconds * 1e9);
+    uint64_t deadline = HostMem::now_ns() + bound;
+    size_t last = SIZE_MAX;
     std::unique_lock lock(mutex_);
     for (;;) {
-      bool busy = false;
-      for (const auto& [key, queue] : queues_) busy |= key.first == group && !queue.empty();
-      if (!busy) return true;
+      size_t queued = 0;
+      for (const auto& [key, queue] : queues_) queued += key.first == group ? queue.size() : 0;
+      if (queued == 0) return true;
+      if (queued < last) deadline = HostMem::now_ns() + bound;
+      last = queued;
       if (HostMem::now_ns() > deadline) return false;
       lock.unlock();
       std::this_thread::sleep_for(std::chrono::milliseconds(1));

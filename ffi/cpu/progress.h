@@ -34,12 +34,13 @@ struct HostCall {
 void submit_host_call(HostCall call);
 
 // True once no call of `group` is queued or running on the progress thread;
-// false if some still is after `seconds`.
+// false if none of them finished for `seconds`.
 bool wait_host_calls(const ChannelGroup* group, double seconds);
 
-// The bound host groups give wait_host_calls: every queued call ends within
-// one timeout (the first that expires poisons the channel, and the rest then
-// fail at once), plus a second of slack.
+// The bound host groups give wait_host_calls: a queued call ends within one
+// timeout of its start, which comes at the latest when the call before it
+// ended (a timeout poisons the channel and the rest fail at once), plus a
+// second of slack.
 inline double host_idle_bound_s(const ChannelOptions& options) { return 2 * options.timeout_s + 1; }
 
 }  // namespace b12x

@@ -265,7 +265,7 @@ struct Plan {
 
 Plan plan_for(size_t bytes, int world, Algorithm chosen, const ChannelView& v) {
   const size_t packs = bytes / kPackBytes;
-  if (bytes <= v.lamport_layout.capacity()) {
+  if (v.lamport_layout.block_bytes > 0 && bytes <= v.lamport_layout.capacity()) {
     const int grid = grid_for(bytes, v.lamport_layout, kLamportBytesPerBlock);
     return {Algorithm::kLamport, grid, packs, (packs + grid - 1) / grid};
   }
@@ -301,7 +301,7 @@ void launch(const Plan& plan, cudaStream_t stream, const ChannelView& v, const P
 
 ffi::Error AllReduceCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                          std::string_view channel_id, int32_t algorithm) {
-  const RankHandle handle = Registry::get().find(Platform::kCuda, channel_id, ordinal);
+  const RankLease handle = Registry::get().lease(Platform::kCuda, channel_id, ordinal);
   if (!handle) return ffi::Error::InvalidArgument(unprepared_message("all_reduce", channel_id, ordinal));
   // A timeout recorded by an earlier call (also one replayed from a CUDA
   // graph) surfaces here, without a sync: the record is in mapped host memory.

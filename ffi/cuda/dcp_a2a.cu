@@ -128,7 +128,7 @@ int want_grid(const DcpShape& s) {
 ffi::Error DcpA2aCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer lse,
                       ffi::Result<ffi::AnyBuffer> y, ffi::RemainingRets rets, std::string_view channel_id, bool base2,
                       bool return_lse) {
-  const RankHandle handle = Registry::get().find(Platform::kCuda, channel_id, ordinal);
+  const RankLease handle = Registry::get().lease(Platform::kCuda, channel_id, ordinal);
   if (!handle) return ffi::Error::InvalidArgument(unprepared_message("dcp_a2a", channel_id, ordinal));
   // A timeout recorded by an earlier call (also one replayed from a CUDA
   // graph) surfaces here, without a sync: the record is in mapped host memory.

@@ -84,7 +84,7 @@ ffi::Error ResidualRmsnormCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
                                ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> normed,
                                ffi::Result<ffi::AnyBuffer> residual_out, std::string_view channel_id, float eps) {
   const std::string op = "b12x_jax.all_reduce_residual_rmsnorm: ";
-  const RankHandle handle = Registry::get().find(Platform::kCuda, channel_id, ordinal);
+  const RankLease handle = Registry::get().lease(Platform::kCuda, channel_id, ordinal);
   if (!handle) return ffi::Error::InvalidArgument(unprepared_message("all_reduce_residual_rmsnorm", channel_id, ordinal));
   const std::string earlier = pending_error(*handle.group, handle.rank);
   if (!earlier.empty()) return ffi::Error::Internal(earlier);
