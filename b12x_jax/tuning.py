@@ -17,6 +17,7 @@ which could differ between processes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -59,16 +60,30 @@ def crossover_for(device_kind: str, world: int, *, stored: bool = True) -> Cross
   """The stored calibration for (device_kind, world) (unless ``stored`` is
   False), else the measured default, else one-shot everywhere (psum only
   beyond capacity_bytes)."""
-  calibrated = None
-  if stored:
-    try:
-      with open(cache_path()) as f:
-        calibrated = json.load(f).get(_key(device_kind, world))
-    except (OSError, ValueError):
-      pass
+  calibrated = _stored_table().get(_key(device_kind, world)) if stored else None
   if calibrated is not None:
     return Crossover(calibrated.get("two_shot_from"), calibrated.get("psum_from"), f"calibrated ({cache_path()})")
   return DEFAULTS.get((device_kind, world), Crossover())
+
+
+def _stored_table() -> dict:
+  """The stored calibrations; read again only when the file changes (every
+  traced all_reduce above the Lamport window asks)."""
+  path = cache_path()
+  try:
+    return _read_table(path, os.stat(path).st_mtime_ns)
+  except OSError:
+    return {}
+
+
+@functools.lru_cache(maxsize=4)
+def _read_table(path: str, mtime_ns: int) -> dict:
+  del mtime_ns  # part of the cache key only
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return {}
 
 
 def per_op_us(run: Callable[[], object], ops: int, iters: int, warmup: int = 5) -> float:
@@ -149,11 +164,7 @@ def calibrate(mesh, axis_name: str, sizes: Sequence[int] = tuple(1 << k for k in
   if store:
     path = cache_path()
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    try:
-      with open(path) as f:
-        table = json.load(f)
-    except (OSError, ValueError):
-      table = {}
+    table = dict(_stored_table())
     table[_key(device_kind, world)] = {"two_shot_from": two_shot_from, "psum_from": psum_from,
                                        "times_us": {str(s): t for s, t in times.items()}}
     with open(path + ".tmp", "w") as f:

@@ -7,6 +7,16 @@ from __future__ import annotations
 from b12x_jax.tuning import per_op_us  # noqa: F401 - the one timing method, shared with calibration
 
 
+def add_timing_arguments(parser, devices: bool = True) -> None:
+  """The options every benchmark takes: chained ops per executable, timed
+  runs, devices in the mesh, and where to write the results as JSON."""
+  parser.add_argument("--ops", type=int, default=64, help="chained collectives per executable")
+  parser.add_argument("--iters", type=int, default=50, help="timed runs (the median is reported)")
+  if devices:
+    parser.add_argument("--devices", type=int, default=2)
+  parser.add_argument("--json", help="write the results here too")
+
+
 def size_label(size: int) -> str:
   return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
 

@@ -30,7 +30,7 @@ import re
 import subprocess
 import sys
 
-from _common import gpu_count, per_op_us, size_label
+from _common import add_timing_arguments, gpu_count, per_op_us, size_label
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20, 32 << 20]
 IMPL = re.compile(r"b12x(?P<barrier>_barrier)?(?:_(?P<algorithm>one_shot_pull|one_shot|two_shot))?(?:_blocks(?P<blocks>\d+))?")
@@ -130,12 +130,9 @@ def _op(impl: str):
 
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("--ops", type=int, default=64)
-  parser.add_argument("--iters", type=int, default=50)
-  parser.add_argument("--devices", type=int, default=2)
+  add_timing_arguments(parser)
   parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
   parser.add_argument("--impls", default=None, help="default: b12x,b12x_barrier,psum,floor on GPUs, b12x,psum on CPU")
-  parser.add_argument("--json", help="write the results here too")
   parser.add_argument("--no-flag-columns", action="store_true", help="skip the columns measured in subprocesses")
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 
-from _common import per_op_us, size_label
+from _common import add_timing_arguments, per_op_us, size_label
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20, 32 << 20]
 
@@ -64,10 +64,8 @@ def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--processes", type=int, default=2)
   parser.add_argument("--platform", choices=["gpu", "cpu"], default=None, help="default: gpu if >= 2 GPUs")
-  parser.add_argument("--ops", type=int, default=64)
-  parser.add_argument("--iters", type=int, default=50)
+  add_timing_arguments(parser, devices=False)
   parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
-  parser.add_argument("--json", help="write the results here too")
   parser.add_argument("--timeout", type=float, default=900, help="hard limit for the workers, seconds")
   parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
   parser.add_argument("--port", type=int, help=argparse.SUPPRESS)

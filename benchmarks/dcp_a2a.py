@@ -24,7 +24,7 @@ import itertools
 import json
 import os
 
-from _common import gpu_count, per_op_us
+from _common import add_timing_arguments, gpu_count, per_op_us
 
 BATCHES = [1, 8, 64, 256]
 HEADS = [32, 128]
@@ -103,11 +103,8 @@ def measure(shapes: list[tuple[int, int, int]], ops: int, iters: int, devices: i
 
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("--ops", type=int, default=64)
-  parser.add_argument("--iters", type=int, default=50)
-  parser.add_argument("--devices", type=int, default=2)
+  add_timing_arguments(parser)
   parser.add_argument("--smoke", action="store_true", help="one tiny size on emulated CPU devices")
-  parser.add_argument("--json", help="write the results here too")
   args = parser.parse_args()
   if args.smoke:
     shapes, platform, args.ops, args.iters = [(1, 8, 128)], "cpu", 4, 3

@@ -17,7 +17,7 @@ import argparse
 import json
 import os
 
-from _common import gpu_count, per_op_us
+from _common import add_timing_arguments, gpu_count, per_op_us
 
 SHAPES = [(1, 4096), (8, 4096), (16, 4096), (64, 4096), (1, 8192), (8, 8192), (16, 8192), (64, 8192)]
 EPS = 1e-6
@@ -84,12 +84,9 @@ def measure(impls: list[str], shapes: list[tuple[int, int]], ops: int, iters: in
 
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("--ops", type=int, default=64)
-  parser.add_argument("--iters", type=int, default=50)
-  parser.add_argument("--devices", type=int, default=2)
+  add_timing_arguments(parser)
   parser.add_argument("--shapes", default=",".join(f"{r}x{h}" for r, h in SHAPES), help="ROWSxHIDDEN,...")
   parser.add_argument("--impls", default="fused,unfused,psum")
-  parser.add_argument("--json", help="write the results here too")
   args = parser.parse_args()
   shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
   impls = args.impls.split(",")

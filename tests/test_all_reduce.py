@@ -119,7 +119,7 @@ def test_integer_dtype_falls_back_to_psum(cpu_mesh):
 
 def test_a_peer_that_never_joins_times_out_with_names():
   result = run_worker("timeout", "--platform", "cpu", "--timeout", "1.0", hard_timeout=120)
-  assert len(result["messages"]) == 2, result
+  assert len(result["messages"]) == 2 and result["nan_outputs"] == [], result  # on CPU the call itself raises
   for message in result["messages"]:
     assert re.search(r"channel 'lonely' rank 0 timed out after 1 s at epoch 1 waiting for rank 1", message), message
   assert result["seconds"] < 30

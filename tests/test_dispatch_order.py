@@ -13,13 +13,14 @@ from __future__ import annotations
 from conftest import run_worker
 
 
-def check_crossed(platform: str, timeout: float) -> None:
+def check_crossed(platform: str, timeout: float) -> str:
   result = run_worker("cross", "--platform", platform, "--timeout", str(timeout), hard_timeout=240)
   text = "\n".join(result["messages"])
   assert "channel 'target'" in text and "channel 'draft'" in text, result
   assert "did not arrive" in text, result
   assert not result["finite"], result  # a call that could not finish leaves NaN, never a number
   assert result["seconds"] < timeout + 5, result  # one timeout, not one per channel
+  return text
 
 
 def check_race(platform: str, runs: int, timeout: float) -> dict:

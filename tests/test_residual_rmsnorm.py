@@ -3,6 +3,8 @@ the fused and unfused paths, errors."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import b12x_jax
+from conftest import run_worker
 from helpers import DTYPES, assert_residual_rmsnorm_matches, fresh_communicator
 
 
@@ -123,3 +126,11 @@ def test_weight_of_another_dtype_and_bad_eps_are_clear_errors(cpu_mesh):
     call(jnp.bfloat16, 1e-6)
   with pytest.raises(ValueError, match=r"all_reduce_residual_rmsnorm: eps must be > 0"):
     call(jnp.float32, 0.0)
+
+
+def test_a_peer_that_never_joins_a_fused_call_times_out_with_names():
+  result = run_worker("timeout", "--platform", "cpu", "--op", "residual_rmsnorm", "--timeout", "1.0", hard_timeout=120)
+  assert len(result["messages"]) == 2 and result["nan_outputs"] == [], result
+  for message in result["messages"]:
+    assert re.search(r"channel 'lonely' rank 0 timed out after 1 s at epoch 1 waiting for rank 1", message), message
+  assert result["seconds"] < 30

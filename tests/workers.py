@@ -25,21 +25,28 @@ def _setup(platform: str, devices: int, xla_flags: str = "") -> None:
 
 
 def timeout_mode(args) -> dict:
-  """Rank 0 calls ``args.op`` (all_reduce or dcp_a2a), rank 1 never joins:
-  the error must name the channel, rank, missing peer and epoch, within the
-  timeout."""
+  """Rank 0 calls ``args.op`` (all_reduce with ``args.algorithm``, dcp_a2a
+  or all_reduce_residual_rmsnorm), rank 1 never joins: the error must name
+  the channel, rank, missing peer and epoch, within the timeout. Returns the
+  messages, and for every call that returned an output (CUDA: the timed-out
+  kernel's), whether rank 0's part of it is all NaN."""
   import jax
   import numpy as np
   from jax.sharding import PartitionSpec as P
 
   import b12x_jax
-  b12x_jax.set_communicator(b12x_jax.Communicator(timeout_s=args.timeout, lamport_bytes=args.lamport_bytes))
+  b12x_jax.set_communicator(b12x_jax.Communicator(timeout_s=args.timeout, lamport_bytes=args.lamport_bytes,
+                                                  algorithm=args.algorithm))
   mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
 
   if args.op == "all_reduce":
     def lonely(x):
       return b12x_jax.all_reduce(x, "x")
     x = np.ones((2 * 256,), np.float32)
+  elif args.op == "residual_rmsnorm":
+    def lonely(x):
+      return b12x_jax.all_reduce_residual_rmsnorm(x, x, jax.numpy.ones(x.shape[-1:], x.dtype), "x")[0]
+    x = np.ones((2 * 4, 512), np.float32)
   else:  # out [B, H, D] bfloat16 from the float input; each rank keeps H/2 heads, as the skipping branch does
     def lonely(x):
       out = b12x_jax.dcp_a2a(x.astype(jax.numpy.bfloat16), jax.numpy.zeros(x.shape[:2], np.float32), "x")
@@ -48,21 +55,22 @@ def timeout_mode(args) -> dict:
 
   def body(x):
     joined = jax.lax.axis_index("x") == 0
-    skip = (lambda v: v) if args.op == "all_reduce" else (lambda v: v[:, : v.shape[1] // 2])
+    skip = (lambda v: v[:, : v.shape[1] // 2]) if args.op == "dcp_a2a" else (lambda v: v)
     return jax.lax.cond(joined, lonely, skip, x)
 
   fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
   x = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("x")))
   start = time.monotonic()
-  messages = []
+  messages, nan_outputs = [], []
   with b12x_jax.channel("lonely"):
     for _ in range(2):  # the second call must fail fast: the channel is poisoned
       try:
-        fn(x).block_until_ready()
+        out = np.asarray(fn(x))
+        nan_outputs.append(bool(np.isnan(out[: out.shape[0] // 2]).all()))
         b12x_jax.check_errors()
       except Exception as e:  # noqa: BLE001 - the test inspects the text
         messages.append(str(e))
-  return {"messages": messages, "seconds": time.monotonic() - start}
+  return {"messages": messages, "nan_outputs": nan_outputs, "seconds": time.monotonic() - start}
 
 
 def graphs_mode(args) -> dict:
@@ -357,7 +365,8 @@ def main() -> None:
   parser.add_argument("--calls", type=int, default=1000)
   parser.add_argument("--programs", type=int, default=12)
   parser.add_argument("--lamport-bytes", type=int, default=1 << 20)
-  parser.add_argument("--op", choices=["all_reduce", "dcp_a2a"], default="all_reduce")
+  parser.add_argument("--op", choices=["all_reduce", "dcp_a2a", "residual_rmsnorm"], default="all_reduce")
+  parser.add_argument("--algorithm", choices=["auto", "one_shot", "two_shot", "one_shot_pull"], default="auto")
   parser.add_argument("--xla-flags", default="")
   args = parser.parse_args()
   _setup(args.platform, args.devices, args.xla_flags)

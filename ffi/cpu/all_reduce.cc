@@ -19,17 +19,15 @@ namespace {
 template <DType D>
 void reduce_sources(const ChannelView& v, int slot, const Pack* own, Pack* out, size_t packs,
                     const Pack* residual = nullptr) {
-  float acc[Elements<D>::kCount];
   const Pack* sources[kMaxRanks];
   for (int q = 0; q < v.world; ++q) {
     sources[q] = q == v.rank ? own
                              : reinterpret_cast<const Pack*>(v.staging[v.rank] + v.layout.cell_offset(slot, q, 0));
   }
   for (size_t i = 0; i < packs; ++i) {
-    for (float& a : acc) a = 0.0f;
-    for (int q = 0; q < v.world; ++q) accumulate<D>(acc, sources[q][i]);  // rank order: C9
-    if (residual != nullptr) accumulate<D>(acc, residual[i]);
-    out[i] = round_pack<D>(acc);
+    Pack staged[kMaxRanks];
+    for (int q = 0; q < v.world; ++q) staged[q] = sources[q][i];
+    out[i] = sum_in_rank_order<D>(staged, v.world, residual != nullptr ? residual + i : nullptr);
   }
 }
 
@@ -95,7 +93,8 @@ ffi::Future AllReduceHost(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::An
     const auto* in = static_cast<const Pack*>(x.untyped_data());
     auto* out = static_cast<Pack*>(y->untyped_data());
     if (handle.group->options().poison_outputs) std::memset(out, 0xFF, bytes);  // NaN everywhere
-    HostCall call{handle};
+    HostCall call;
+    call.handle = handle;
     call.stage = [in, bytes](const ChannelView& v, uint32_t epoch) { push_to_peers(v, epoch, in, bytes); };
     call.finish = [in, out, bytes, reduce](const ChannelView& v, uint32_t epoch) {
       reduce(v, epoch & 1, in, out, bytes / kPackBytes, nullptr);
@@ -137,7 +136,8 @@ ffi::Future ResidualRmsnormHost(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffe
       std::memset(out, 0xFF, bytes);
       std::memset(res_out, 0xFF, bytes);
     }
-    HostCall call{handle};
+    HostCall call;
+    call.handle = handle;
     call.stage = [in, bytes](const ChannelView& v, uint32_t epoch) { push_to_peers(v, epoch, in, bytes); };
     call.finish = [=](const ChannelView& v, uint32_t epoch) {
       reduce(v, epoch & 1, in, res_out, bytes / kPackBytes, res);

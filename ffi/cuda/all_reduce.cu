@@ -30,70 +30,65 @@ constexpr size_t kBytesPerBlock = 16 * 1024;
 // packs, so more blocks means more loads in flight while peers' data lands.
 constexpr size_t kLamportBytesPerBlock = 4 * 1024;
 
-// Stage, meet, reduce. Block b owns packs [b * per_block, (b + 1) * per_block)
-// on every rank (same grid everywhere: the shape is static), and only its
-// own staging cell, so blocks never wait on each other.
+// The packs [lo, lo + n) of `total` that this block owns, `per_block` each.
+// Block b owns the same range on every rank (the grid is a function of the
+// static shape) and only its own staging cells, so blocks never wait on each
+// other.
+struct Slice {
+  size_t lo;
+  size_t n;
+};
+__device__ __forceinline__ Slice block_slice(size_t per_block, size_t total) {
+  const size_t lo = blockIdx.x * per_block;
+  return {lo, lo < total ? min(per_block, total - lo) : 0};
+}
+
+// Pack i of the sum over `sources` (rank order, C9): every load first, then
+// the sum.
+template <DType D>
+__device__ __forceinline__ Pack reduce_at(const Pack* const* sources, int world, size_t i) {
+  Pack staged[kMaxRanks];
+#pragma unroll
+  for (int q = 0; q < kMaxRanks; ++q) {
+    if (q < world) staged[q] = load_l2(sources[q] + i);
+  }
+  return sum_in_rank_order<D>(staged, world);
+}
+
+// Stage, meet, reduce: push this rank's part into its cell on every peer
+// (remote stores are posted, so the reads after the barrier stay local),
+// meet the peers (C6; on a timeout nothing staged may be read), reduce.
 template <DType D>
 __global__ void __launch_bounds__(kThreads)
     one_shot_all_reduce(ChannelView v, const Pack* __restrict__ in, Pack* __restrict__ out, size_t packs,
                         size_t per_block) {
   const int block = blockIdx.x;
-  const size_t lo = block * per_block;
-  const size_t n = lo < packs ? min(per_block, packs - lo) : 0;
+  const Slice s = block_slice(per_block, packs);
   // A timed-out channel fails fast (C8), leaving NaN, never a stale result.
-  if (channel_poisoned<CudaMem>(v)) return fill_nan(out + lo, n);
+  if (channel_poisoned<CudaMem>(v)) return fill_nan(out + s.lo, s.n);
   const uint32_t epoch = next_epoch<CudaMem>(v, block);
   const int slot = epoch & 1;
-
-  // 1. Push this rank's part into its cell on every peer: remote stores are
-  //    posted, so the peers' reads below stay local.
-  Pack* cells[kMaxRanks];
-#pragma unroll
-  for (int p = 0; p < kMaxRanks; ++p) {
-    cells[p] = p < v.world ? reinterpret_cast<Pack*>(v.staging[p] + v.layout.cell_offset(slot, v.rank, block))
-                           : nullptr;
-  }
-  for (size_t i = threadIdx.x; i < n; i += kThreads) {
-    const Pack x = in[lo + i];
+  const auto cell = [&](int owner, int source) {
+    return reinterpret_cast<Pack*>(v.staging[owner] + v.layout.cell_offset(slot, source, block));
+  };
+  for (size_t i = threadIdx.x; i < s.n; i += kThreads) {
+    const Pack x = in[s.lo + i];
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {
-      if (p < v.world && p != v.rank) cells[p][i] = x;
+      if (p < v.world && p != v.rank) cell(p, v.rank)[i] = x;
     }
   }
-
-  // 2. Meet the peers (C6); on a timeout nothing staged may be read.
-  if (!block_barrier(v, block, epoch)) return fill_nan(out + lo, n);
-
-  // 3. Reduce the sources in rank order (C9). Staged cells are read through
-  //    L2 (.cg): L1 is not coherent with the peers' writes.
+  if (!block_barrier(v, block, epoch)) return fill_nan(out + s.lo, s.n);
   const Pack* sources[kMaxRanks];
 #pragma unroll
-  for (int q = 0; q < kMaxRanks; ++q) {
-    sources[q] = q == v.rank ? in + lo
-                             : reinterpret_cast<const Pack*>(v.staging[v.rank] + v.layout.cell_offset(slot, q, block));
-  }
-  for (size_t i = threadIdx.x; i < n; i += kThreads) {
-    float acc[Elements<D>::kCount] = {};
-    Pack staged[kMaxRanks];
-#pragma unroll
-    for (int q = 0; q < kMaxRanks; ++q) {
-      if (q < v.world) {
-        const uint4 w = __ldcg(reinterpret_cast<const uint4*>(sources[q]) + i);
-        staged[q] = Pack{{w.x, w.y, w.z, w.w}};
-      }
-    }
-#pragma unroll
-    for (int q = 0; q < kMaxRanks; ++q) {
-      if (q < v.world) accumulate<D>(acc, staged[q]);
-    }
-    out[lo + i] = round_pack<D>(acc);
-  }
+  for (int q = 0; q < kMaxRanks; ++q) sources[q] = q == v.rank ? in + s.lo : q < v.world ? cell(v.rank, q) : nullptr;
+  for (size_t i = threadIdx.x; i < s.n; i += kThreads) out[s.lo + i] = reduce_at<D>(sources, v.world, i);
 }
 
 // Reduce-scatter, then all-gather, as two barrier calls of protocol.h
 // (epochs e and e + 1, so each phase has its own staging slot and the reuse
 // argument of protocol.h holds phase by phase). Rank r owns shard r of the
-// payload; block b owns the same slice [b * per_block, ...) of every shard.
+// payload; block b owns the same slice of every shard.
 //   1. push my slice of shard p into my cell on p, for every peer p; meet;
 //   2. reduce my shard's slice in rank order (C9): the result goes to my
 //      output and into my cell of the other slot on every peer; meet;
@@ -104,18 +99,15 @@ __global__ void __launch_bounds__(kThreads)
     two_shot_all_reduce(ChannelView v, const Pack* __restrict__ in, Pack* __restrict__ out, size_t packs,
                         size_t shard_packs, size_t per_block) {
   const int block = blockIdx.x;
-  const auto slice = [&](int shard, size_t& lo, size_t& n) {
+  const auto slice = [&](int shard) {
     const size_t shard_lo = shard * shard_packs;
-    const size_t shard_n = shard_lo < packs ? min(shard_packs, packs - shard_lo) : 0;
-    const size_t off = block * per_block;
-    lo = shard_lo + off;
-    n = off < shard_n ? min(per_block, shard_n - off) : 0;
+    const Slice s = block_slice(per_block, shard_lo < packs ? min(shard_packs, packs - shard_lo) : 0);
+    return Slice{shard_lo + s.lo, s.n};
   };
   const auto fail = [&] {
     for (int q = 0; q < v.world; ++q) {
-      size_t lo, n;
-      slice(q, lo, n);
-      fill_nan(out + lo, n);
+      const Slice s = slice(q);
+      fill_nan(out + s.lo, s.n);
     }
   };
   if (channel_poisoned<CudaMem>(v)) return fail();
@@ -129,35 +121,22 @@ __global__ void __launch_bounds__(kThreads)
   // 1. Reduce-scatter: my slice of every peer's shard goes to that peer.
   for (int p = 0; p < v.world; ++p) {
     if (p == v.rank) continue;
-    size_t lo, n;
-    slice(p, lo, n);
+    const Slice s = slice(p);
     Pack* dst = cell(p, scatter_slot, v.rank);
-    for (size_t i = threadIdx.x; i < n; i += kThreads) dst[i] = in[lo + i];
+    for (size_t i = threadIdx.x; i < s.n; i += kThreads) dst[i] = in[s.lo + i];
   }
   if (!block_barrier(v, block, epoch)) return fail();
 
   // 2. Reduce my shard's slice; keep it and send it to every peer.
-  size_t lo, n;
-  slice(v.rank, lo, n);
-  for (size_t i = threadIdx.x; i < n; i += kThreads) {
-    Pack staged[kMaxRanks];
+  const Slice mine = slice(v.rank);
+  const Pack* sources[kMaxRanks];
 #pragma unroll
-    for (int q = 0; q < kMaxRanks; ++q) {
-      if (q >= v.world) continue;
-      if (q == v.rank) {
-        staged[q] = in[lo + i];
-      } else {
-        const uint4 w = __ldcg(reinterpret_cast<const uint4*>(cell(v.rank, scatter_slot, q)) + i);
-        staged[q] = Pack{{w.x, w.y, w.z, w.w}};
-      }
-    }
-    float acc[Elements<D>::kCount] = {};
-#pragma unroll
-    for (int q = 0; q < kMaxRanks; ++q) {
-      if (q < v.world) accumulate<D>(acc, staged[q]);
-    }
-    const Pack sum = round_pack<D>(acc);
-    out[lo + i] = sum;
+  for (int q = 0; q < kMaxRanks; ++q) {
+    sources[q] = q == v.rank ? in + mine.lo : q < v.world ? cell(v.rank, scatter_slot, q) : nullptr;
+  }
+  for (size_t i = threadIdx.x; i < mine.n; i += kThreads) {
+    const Pack sum = reduce_at<D>(sources, v.world, i);
+    out[mine.lo + i] = sum;
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {
       if (p < v.world && p != v.rank) cell(p, gather_slot, v.rank)[i] = sum;
@@ -168,13 +147,9 @@ __global__ void __launch_bounds__(kThreads)
   // 3. All-gather: the peers' reduced slices, from my staging.
   for (int q = 0; q < v.world; ++q) {
     if (q == v.rank) continue;
-    size_t qlo, qn;
-    slice(q, qlo, qn);
-    const uint4* src = reinterpret_cast<const uint4*>(cell(v.rank, gather_slot, q));
-    for (size_t i = threadIdx.x; i < qn; i += kThreads) {
-      const uint4 w = __ldcg(src + i);
-      out[qlo + i] = Pack{{w.x, w.y, w.z, w.w}};
-    }
+    const Slice s = slice(q);
+    const Pack* src = cell(v.rank, gather_slot, q);
+    for (size_t i = threadIdx.x; i < s.n; i += kThreads) out[s.lo + i] = load_l2(src + i);
   }
 }
 
@@ -190,36 +165,20 @@ __global__ void __launch_bounds__(kThreads)
     pull_all_reduce(ChannelView v, const Pack* __restrict__ in, Pack* __restrict__ out, size_t packs,
                     size_t per_block) {
   const int block = blockIdx.x;
-  const size_t lo = block * per_block;
-  const size_t n = lo < packs ? min(per_block, packs - lo) : 0;
-  if (channel_poisoned<CudaMem>(v)) return fill_nan(out + lo, n);
+  const Slice s = block_slice(per_block, packs);
+  if (channel_poisoned<CudaMem>(v)) return fill_nan(out + s.lo, s.n);
   const uint32_t epoch = next_epoch<CudaMem>(v, block);
   const int slot = epoch & 1;
   const auto cell = [&](int owner) {
     return reinterpret_cast<Pack*>(v.staging[owner] + v.layout.cell_offset(slot, owner, block));
   };
   Pack* own = cell(v.rank);
-  for (size_t i = threadIdx.x; i < n; i += kThreads) own[i] = in[lo + i];
-  if (!block_barrier(v, block, epoch)) return fill_nan(out + lo, n);
+  for (size_t i = threadIdx.x; i < s.n; i += kThreads) own[i] = in[s.lo + i];
+  if (!block_barrier(v, block, epoch)) return fill_nan(out + s.lo, s.n);
   const Pack* sources[kMaxRanks];
 #pragma unroll
-  for (int q = 0; q < kMaxRanks; ++q) sources[q] = q == v.rank ? in + lo : q < v.world ? cell(q) : nullptr;
-  for (size_t i = threadIdx.x; i < n; i += kThreads) {
-    Pack staged[kMaxRanks];
-#pragma unroll
-    for (int q = 0; q < kMaxRanks; ++q) {
-      if (q < v.world) {
-        const uint4 w = __ldcg(reinterpret_cast<const uint4*>(sources[q]) + i);
-        staged[q] = Pack{{w.x, w.y, w.z, w.w}};
-      }
-    }
-    float acc[Elements<D>::kCount] = {};
-#pragma unroll
-    for (int q = 0; q < kMaxRanks; ++q) {
-      if (q < v.world) accumulate<D>(acc, staged[q]);
-    }
-    out[lo + i] = round_pack<D>(acc);
-  }
+  for (int q = 0; q < kMaxRanks; ++q) sources[q] = q == v.rank ? in + s.lo : q < v.world ? cell(q) : nullptr;
+  for (size_t i = threadIdx.x; i < s.n; i += kThreads) out[s.lo + i] = reduce_at<D>(sources, v.world, i);
 }
 
 // Push, poll, reduce, refill (lamport.cuh). Block b owns the same packs as
@@ -228,17 +187,11 @@ template <DType D>
 __global__ void __launch_bounds__(kThreads)
     lamport_all_reduce(ChannelView v, const Pack* __restrict__ in, Pack* __restrict__ out, size_t packs,
                        size_t per_block) {
-  const size_t lo = blockIdx.x * per_block;
-  const size_t n = lo < packs ? min(per_block, packs - lo) : 0;
-  const bool done = lamport_exchange<kThreads>(v, in + lo, n, [&](size_t i, const Pack* staged) {
-    float acc[Elements<D>::kCount] = {};
-#pragma unroll
-    for (int q = 0; q < kMaxRanks; ++q) {
-      if (q < v.world) accumulate<D>(acc, staged[q]);
-    }
-    out[lo + i] = round_pack<D>(acc);
+  const Slice s = block_slice(per_block, packs);
+  const bool done = lamport_exchange<kThreads>(v, in + s.lo, s.n, [&](size_t i, const Pack* staged) {
+    out[s.lo + i] = sum_in_rank_order<D>(staged, v.world);
   });
-  if (!done) fill_nan(out + lo, n);
+  if (!done) fill_nan(out + s.lo, s.n);
 }
 
 int grid_for(size_t bytes, const StagingLayout& layout, size_t bytes_per_block) {

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "../numeric.h"
+
 namespace b12x {
 
 struct CudaMem {
@@ -35,6 +37,13 @@ struct CudaMem {
   }
   static __device__ __forceinline__ void pause() {}
 };
+
+// A staged pack, read through L2 (.cg): L1 is not coherent with the peers'
+// writes.
+__device__ __forceinline__ Pack load_l2(const Pack* p) {
+  const uint4 w = __ldcg(reinterpret_cast<const uint4*>(p));
+  return Pack{{w.x, w.y, w.z, w.w}};
+}
 
 // Restores the calling thread's current device when setup is done.
 class DeviceGuard {

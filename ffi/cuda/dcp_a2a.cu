@@ -104,9 +104,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int q = 0; q < kMaxRanks; ++q) {
         if (q < v.world && scales[r][q] != 0.0f) {
-          const uint4 w = q == v.rank ? *reinterpret_cast<const uint4*>(in + own)
-                                      : __ldcg(reinterpret_cast<const uint4*>(payload[q] + staged_at));
-          src[q] = Pack{{w.x, w.y, w.z, w.w}};
+          src[q] = q == v.rank ? in[own] : load_l2(payload[q] + staged_at);
         }
       }
       float acc[Elements<D>::kCount] = {};

@@ -55,13 +55,8 @@ __global__ void __launch_bounds__(kThreads)
   const size_t lo = static_cast<size_t>(first) * s.row_packs;
   const size_t n = static_cast<size_t>(rows) * s.row_packs;
   const bool done = lamport_exchange<kThreads>(v, in + lo, n, [&](size_t i, const Pack* staged) {
-    float acc[Elements<D>::kCount] = {};
-#pragma unroll
-    for (int q = 0; q < kMaxRanks; ++q) {
-      if (q < v.world) accumulate<D>(acc, staged[q]);
-    }
-    accumulate<D>(acc, residual[lo + i]);
-    residual_out[lo + i] = round_pack<D>(acc);
+    const Pack res = residual[lo + i];
+    residual_out[lo + i] = sum_in_rank_order<D>(staged, v.world, &res);
   });
   if (!done) {
     fill_nan(normed + lo, n);

@@ -112,11 +112,14 @@ def test_target_and_draft_alternate_on_separate_channels():
       assert comm.stats(name, device)["epoch"] == calls
 
 
-@pytest.mark.parametrize("lamport_bytes", [1 << 20, 0], ids=["lamport", "barrier"])
-def test_a_peer_that_never_joins_raises_the_timeout_error(lamport_bytes):
+@pytest.mark.parametrize("lamport_bytes, algorithm", [(1 << 20, "auto"), (0, "one_shot"), (0, "two_shot"),
+                                                     (0, "one_shot_pull")],
+                         ids=["lamport", "one_shot", "two_shot", "pull"])
+def test_a_peer_that_never_joins_raises_the_timeout_error_and_leaves_nan(lamport_bytes, algorithm):
   result = run_worker("timeout", "--platform", "gpu", "--timeout", "1.0", f"--lamport-bytes={lamport_bytes}",
-                      hard_timeout=120)
+                      f"--algorithm={algorithm}", hard_timeout=120)
   assert len(result["messages"]) == 2, result
+  assert result["nan_outputs"] == [True], result  # the timed-out kernel's output, never a stale number
   for message in result["messages"]:
     assert "channel 'lonely'" in message and "rank 0" in message and "rank 1" in message
     assert "epoch" in message

@@ -83,6 +83,7 @@ def test_target_and_draft_merges_alternate_on_separate_channels():
 def test_a_peer_that_never_joins_a_merge_raises_the_timeout_error():
   result = run_worker("timeout", "--platform", "gpu", "--op", "dcp_a2a", "--timeout", "1.0", hard_timeout=120)
   assert len(result["messages"]) == 2, result
+  assert result["nan_outputs"] == [True], result  # the timed-out kernel's output, never a stale number
   for message in result["messages"]:
     assert "channel 'lonely'" in message and "rank 0" in message and "rank 1" in message and "epoch" in message
   assert result["seconds"] < 60

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import b12x_jax
-from conftest import requires_2_gpus
+from conftest import requires_2_gpus, run_worker
 from helpers import DTYPES, fresh_communicator
 from test_residual_rmsnorm import run_case
 
@@ -40,3 +40,11 @@ def test_fused_calls_with_changing_row_counts_share_the_lamport_buffers_right():
     for i in range(60):
       run_case(_mesh(), rng, 1 + i % 16, 4096, "bfloat16")
   b12x_jax.check_errors()
+
+
+def test_a_peer_that_never_joins_a_fused_call_raises_the_timeout_error_and_leaves_nan():
+  result = run_worker("timeout", "--platform", "gpu", "--op", "residual_rmsnorm", "--timeout", "1.0", hard_timeout=120)
+  assert len(result["messages"]) == 2, result
+  for message in result["messages"]:
+    assert "channel 'lonely'" in message and "rank 0" in message and "rank 1" in message and "epoch" in message
+  assert result["nan_outputs"] == [True], result  # normed of the timed-out kernel, never a stale number
