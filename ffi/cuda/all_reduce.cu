@@ -55,10 +55,15 @@ __device__ __forceinline__ Pack reduce_at(const Pack* const* sources, int world,
   return sum_in_rank_order<D>(staged, world);
 }
 
-// Stage, meet, reduce: push this rank's part into its cell on every peer
-// (remote stores are posted, so the reads after the barrier stay local),
-// meet the peers (C6; on a timeout nothing staged may be read), reduce.
-template <DType D>
+// Stage, meet, reduce. Push (kPull false): this rank's part goes into its
+// cell on every peer (remote stores are posted, so the reads after the
+// barrier stay local). Pull: it goes into this rank's own cell, and the
+// reads after the barrier cross the link instead (loads in flight instead
+// of posted stores; kept to measure against push, benchmarks/RESULTS.md).
+// The barrier protocol's reuse argument holds for both: a cell is written
+// in call k and again in call k + 2, after every reader passed the barrier
+// of call k + 1. On a timeout nothing staged may be read (C6).
+template <DType D, bool kPull>
 __global__ void __launch_bounds__(kThreads)
     one_shot_all_reduce(ChannelView v, const Pack* __restrict__ in, Pack* __restrict__ out, size_t packs,
                         size_t per_block) {
@@ -73,15 +78,21 @@ __global__ void __launch_bounds__(kThreads)
   };
   for (size_t i = threadIdx.x; i < s.n; i += kThreads) {
     const Pack x = in[s.lo + i];
+    if constexpr (kPull) {
+      cell(v.rank, v.rank)[i] = x;
+    } else {
 #pragma unroll
-    for (int p = 0; p < kMaxRanks; ++p) {
-      if (p < v.world && p != v.rank) cell(p, v.rank)[i] = x;
+      for (int p = 0; p < kMaxRanks; ++p) {
+        if (p < v.world && p != v.rank) cell(p, v.rank)[i] = x;
+      }
     }
   }
   if (!block_barrier(v, block, epoch)) return fill_nan(out + s.lo, s.n);
   const Pack* sources[kMaxRanks];
 #pragma unroll
-  for (int q = 0; q < kMaxRanks; ++q) sources[q] = q == v.rank ? in + s.lo : q < v.world ? cell(v.rank, q) : nullptr;
+  for (int q = 0; q < kMaxRanks; ++q) {
+    sources[q] = q == v.rank ? in + s.lo : q < v.world ? cell(kPull ? q : v.rank, q) : nullptr;
+  }
   for (size_t i = threadIdx.x; i < s.n; i += kThreads) out[s.lo + i] = reduce_at<D>(sources, v.world, i);
 }
 
@@ -153,34 +164,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// One-shot by pulling: each rank copies its part into its own staging cell,
-// meets the peers, then reads every peer's cell over the link. The barrier
-// protocol's reuse argument holds unchanged (a cell is written in call k and
-// again in call k + 2, after every reader passed the barrier of call k + 1);
-// what differs from the push kernel is which side of the link waits for the
-// data: loads in flight instead of posted stores. Kept to measure against
-// the push kernel (benchmarks/RESULTS.md).
-template <DType D>
-__global__ void __launch_bounds__(kThreads)
-    pull_all_reduce(ChannelView v, const Pack* __restrict__ in, Pack* __restrict__ out, size_t packs,
-                    size_t per_block) {
-  const int block = blockIdx.x;
-  const Slice s = block_slice(per_block, packs);
-  if (channel_poisoned<CudaMem>(v)) return fill_nan(out + s.lo, s.n);
-  const uint32_t epoch = next_epoch<CudaMem>(v, block);
-  const int slot = epoch & 1;
-  const auto cell = [&](int owner) {
-    return reinterpret_cast<Pack*>(v.staging[owner] + v.layout.cell_offset(slot, owner, block));
-  };
-  Pack* own = cell(v.rank);
-  for (size_t i = threadIdx.x; i < s.n; i += kThreads) own[i] = in[s.lo + i];
-  if (!block_barrier(v, block, epoch)) return fill_nan(out + s.lo, s.n);
-  const Pack* sources[kMaxRanks];
-#pragma unroll
-  for (int q = 0; q < kMaxRanks; ++q) sources[q] = q == v.rank ? in + s.lo : q < v.world ? cell(q) : nullptr;
-  for (size_t i = threadIdx.x; i < s.n; i += kThreads) out[s.lo + i] = reduce_at<D>(sources, v.world, i);
-}
-
 // Push, poll, reduce, refill (lamport.cuh). Block b owns the same packs as
 // in the barrier kernel, and its own cells of the three buffers.
 template <DType D>
@@ -240,10 +223,10 @@ void launch(const Plan& plan, cudaStream_t stream, const ChannelView& v, const P
       lamport_all_reduce<D><<<plan.grid, kThreads, 0, stream>>>(v, in, out, packs, plan.per_block);
       break;
     case Algorithm::kOneShot:
-      one_shot_all_reduce<D><<<plan.grid, kThreads, 0, stream>>>(v, in, out, packs, plan.per_block);
+      one_shot_all_reduce<D, false><<<plan.grid, kThreads, 0, stream>>>(v, in, out, packs, plan.per_block);
       break;
     case Algorithm::kPull:
-      pull_all_reduce<D><<<plan.grid, kThreads, 0, stream>>>(v, in, out, packs, plan.per_block);
+      one_shot_all_reduce<D, true><<<plan.grid, kThreads, 0, stream>>>(v, in, out, packs, plan.per_block);
       break;
     case Algorithm::kTwoShot:
       two_shot_all_reduce<D><<<plan.grid, kThreads, 0, stream>>>(v, in, out, packs, plan.shard_packs,
