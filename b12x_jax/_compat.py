@@ -126,3 +126,48 @@ def kv_get_bytes(key: str, timeout_s: float) -> bytes | None:
     return distributed_client().blocking_key_value_get_bytes(key, max(1, int(timeout_s * 1000)))
   except RuntimeError:
     return None
+
+
+# -- ordered effects (DESIGN C15) --------------------------------------------------
+# jax 0.11 keeps its effect registries in the private ``jax._src.effects``.
+# A "shardable" ordered effect is the kind ``io_callback(ordered=True)`` uses:
+# allowed in multi-device programs, its token threaded through shard_map,
+# scan, while_loop, cond, checkpoint and custom derivatives, and from one
+# dispatched executable to the next. Goes when JAX exposes effect types.
+
+
+def effect_base() -> type:
+  """The base class of JAX effects."""
+  from jax._src import effects
+  return effects.Effect
+
+
+def register_ordered_effect(effect_type: type) -> None:
+  """Makes ``effect_type`` an ordered effect JAX threads a token through,
+  in multi-device programs and inside control flow and AD."""
+  from jax._src import effects
+  for registry in (effects.ordered_effects, effects.shardable_ordered_effects, effects.lowerable_effects,
+                   effects.control_flow_allowed_effects, effects.custom_derivatives_allowed_effects,
+                   effects.remat_allowed_effects):
+    registry.add_type(effect_type)
+
+
+def abstract_token():
+  """The abstract value of an XLA token."""
+  from jax._src import core
+  return core.abstract_token
+
+
+def settle_runtime_token(effect) -> None:
+  """Blocks until the token that JAX's dispatch holds for ``effect`` in
+  this thread (the output of the last executable with that effect) is
+  ready, ignoring the error a failed execution left in it, then drops it:
+  the next executable with ``effect`` starts from a fresh token. jax 0.11
+  keeps these tokens in ``jax._src.dispatch.runtime_tokens``, per thread."""
+  from jax._src import dispatch
+  token = dispatch.runtime_tokens.current_tokens.pop(effect, None)
+  if token is not None:
+    try:
+      token.block_until_ready()
+    except Exception:  # noqa: BLE001 - the failed call raised its own error already
+      pass

@@ -20,12 +20,14 @@ Known escapes (by construction of JAX, documented and tested):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import threading
 from collections.abc import Iterator
 
 import jax
 
+from b12x_jax import _compat
 from b12x_jax.errors import ChannelError
 
 DEFAULT_CHANNEL = "default"
@@ -37,6 +39,31 @@ _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _channel_context = jax.make_user_context(default_value=None)
 
 _strict = threading.Event()
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelOrder(_compat.effect_base()):
+  """The ordered effect of every call on ``channel`` (DESIGN C15).
+
+  JAX threads one token per effect through the program: each call on a
+  channel takes the token of the call before it and hands its own to the
+  next, through scan, while_loop and cond, and from one executable to the
+  next in dispatch order. So every device runs a channel's calls in program
+  order, whatever XLA's schedule (XLA:CPU runs independent custom calls in
+  different orders on different devices), and two channels stay independent.
+  """
+  channel: str
+
+
+_compat.register_ordered_effect(ChannelOrder)
+
+
+def settle(name: str) -> None:
+  """Waits until the executions this thread dispatched on channel ``name``
+  are done (their order token is ready; a failed one's error was reported
+  by the call) and forgets the token, so the next execution on the name
+  starts a new order instead of inheriting a failed call's error."""
+  _compat.settle_runtime_token(ChannelOrder(name))
 
 
 def validate_channel_name(name: object, where: str) -> str:

@@ -33,7 +33,7 @@ import jax
 
 from b12x_jax import _compat, _native, rendezvous
 from b12x_jax.channels import channel as channel_scope
-from b12x_jax.channels import is_strict, validate_channel_name
+from b12x_jax.channels import is_strict, settle, validate_channel_name
 from b12x_jax.errors import B12xError, ChannelError, CollectiveTimeoutError, IneligibleError, TransportError
 
 MiB = 1 << 20
@@ -319,6 +319,7 @@ class Communicator:
     it on every process. If a peer does not answer, this process forgets the
     channel but keeps its memory (a peer may still map it) and raises
     CollectiveTimeoutError."""
+    settle(channel)
     with self._lock:
       for platform, name in list(self._groups):
         if name != channel:
@@ -356,7 +357,6 @@ class Communicator:
       try:
         yield channel
       finally:
-        jax.effects_barrier()
         self.release(channel)
 
   @property
@@ -420,12 +420,8 @@ def _close_at_exit() -> None:
   # Registered after jax's own exit hooks (b12x_jax imports jax first), so it
   # runs before them: pending work finishes, then memory is released while
   # the backends, and jax.distributed for the collective release, still exist.
-  if _active is None or not _active.prepared_channels():
-    return
-  try:
-    jax.effects_barrier()
-  finally:
-    _active.close()
+  if _active is not None and _active.prepared_channels():
+    _active.close()  # each release first waits for the channel's executions (channels.settle)
 
 
 atexit.register(_close_at_exit)

@@ -1,14 +1,16 @@
-"""What every op module shares: the axis check and the lowering of a b12x
-custom call (preparation of the channel, then the FFI call or the psum path)."""
+"""What every op module shares: the axis check, and the lowering and
+registration of a b12x primitive (its channel's order token included)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import jax
+from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from b12x_jax import _compat, _native
+from b12x_jax.channels import ChannelOrder
 from b12x_jax.communicator import get_communicator
 
 
@@ -24,20 +26,57 @@ def axis_size(axis_name: str, op: str) -> int:
         f"that axis ({e})") from None
 
 
-def b12x_lowering(op: str, target: str, fallback: Callable, fallback_path: str = "psum") -> Callable:
+
+def _lowering(op: str, target: str, fallback: Callable, fallback_path: str) -> Callable:
   """A lowering rule: prepares the call's channel for the device groups of
   its axis (DESIGN C4: before any execution), then emits the FFI custom call
-  with ``channel_id`` and the op's static parameters as attributes. Where
-  the group's transport is broken and the policy allows, lowers ``fallback``
-  (the ``fallback_path``: psum, or all_to_all for dcp_a2a) instead."""
+  with ``channel_id`` and the op's static parameters as attributes and the
+  channel's token as its first operand and result. Where the group's
+  transport is broken and the policy allows, lowers ``fallback`` (the
+  ``fallback_path``: psum, or all_to_all for dcp_a2a) instead, and the token
+  passes through unchanged."""
   ffi_rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
   fallback_rule = mlir.lower_fun(fallback, multiple_results=True)
+  token = _compat.abstract_token()
 
   def rule(ctx, *args, axis_name: str, channel: str, **params):
     groups = _compat.axis_device_groups(ctx, axis_name)
     _native.ensure_registered()
     if get_communicator().ensure_prepared(op, channel, groups, fallback_path) is not None:
       return fallback_rule(ctx, *args, axis_name=axis_name, **params)
-    return ffi_rule(ctx, *args, channel_id=channel, **params)
+    effect = ChannelOrder(channel)
+    token_ctx = ctx.replace(avals_in=(token, *ctx.avals_in), avals_out=(token, *ctx.avals_out))
+    token_out, *results = ffi_rule(token_ctx, ctx.tokens_in.get(effect), *args, channel_id=channel, **params)
+    ctx.set_tokens_out(mlir.TokenSet({effect: token_out}))
+    return results
 
   return rule
+
+
+def collective_primitive(name: str, op: str, abstract_eval: Callable, fallback: Callable,
+                         fallback_path: str = "psum", multiple_results: bool = False) -> Primitive:
+  """The primitive of one b12x op, registered: ``abstract_eval`` (the
+  output avals, without effects) plus the channel's ordered effect, an
+  eager rule that says where the op runs, the b12x lowering on CPU and CUDA,
+  and ``fallback`` (which takes the op's parameters but ``channel``) on every
+  other platform. The FFI target is named like the primitive."""
+  primitive = Primitive(name)
+  primitive.multiple_results = multiple_results
+
+  def effectful_abstract_eval(*avals, channel: str, **params):
+    return abstract_eval(*avals, channel=channel, **params), {ChannelOrder(channel)}
+
+  def eager(*args, axis_name: str, channel: str, **params):
+    raise ValueError(f"b12x_jax.{op} runs inside jax.shard_map under jax.jit, not eagerly "
+                     f"(axis {axis_name!r}, channel {channel!r})")
+
+  def fallback_anywhere(*args, channel: str, **params):
+    del channel
+    return fallback(*args, **params)
+
+  primitive.def_effectful_abstract_eval(effectful_abstract_eval)
+  primitive.def_impl(eager)
+  for platform in ("cpu", "cuda"):
+    mlir.register_lowering(primitive, _lowering(op, name, fallback, fallback_path), platform=platform)
+  mlir.register_lowering(primitive, mlir.lower_fun(fallback_anywhere, multiple_results=True))
+  return primitive

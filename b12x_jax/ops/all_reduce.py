@@ -5,13 +5,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Primitive
-from jax.interpreters import mlir
 
 from b12x_jax import _compat, tuning
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import get_communicator
-from b12x_jax.ops._common import axis_size, b12x_lowering
+from b12x_jax.ops._common import axis_size, collective_primitive
 
 _OP = "all_reduce"
 _TARGET = "b12x_all_reduce"
@@ -91,11 +89,6 @@ def _abstract_eval(x, *, axis_name: str, channel: str, algorithm: int):
   return _compat.drop_varying_axis(x, axis_name)
 
 
-def _eager_impl(x, *, axis_name: str, channel: str, algorithm: int):
-  raise ValueError(f"b12x_jax.{_OP} runs inside jax.shard_map under jax.jit, not eagerly "
-                   f"(axis {axis_name!r}, channel {channel!r})")
-
-
 def _psum_path(x, *, axis_name: str, algorithm: int = 0):
   del algorithm
   return [jax.lax.psum(x, axis_name)]
@@ -103,9 +96,4 @@ def _psum_path(x, *, axis_name: str, algorithm: int = 0):
 
 # -- registration ----------------------------------------------------------------
 
-all_reduce_p = Primitive("b12x_all_reduce")
-all_reduce_p.def_abstract_eval(_abstract_eval)
-all_reduce_p.def_impl(_eager_impl)
-for _platform in ("cpu", "cuda"):
-  mlir.register_lowering(all_reduce_p, b12x_lowering(_OP, _TARGET, _psum_path), platform=_platform)
-mlir.register_lowering(all_reduce_p, mlir.lower_fun(_psum_path, multiple_results=True))
+all_reduce_p = collective_primitive(_TARGET, _OP, _abstract_eval, _psum_path)

@@ -5,13 +5,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Primitive
-from jax.interpreters import mlir
 
 from b12x_jax import _compat
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import PACK_BYTES, get_communicator
-from b12x_jax.ops._common import axis_size, b12x_lowering
+from b12x_jax.ops._common import axis_size, collective_primitive
 
 _OP = "dcp_a2a"
 _TARGET = "b12x_dcp_a2a"
@@ -131,11 +129,6 @@ def _abstract_eval(out, lse, *, axis_name: str, channel: str, base2: bool, retur
   return [merged, _compat.add_varying_axes(lse.update(shape=(batch, shard_heads)), axes)]
 
 
-def _eager_impl(out, lse, *, axis_name: str, channel: str, base2: bool, return_lse: bool):
-  raise ValueError(f"b12x_jax.{_OP} runs inside jax.shard_map under jax.jit, not eagerly "
-                   f"(axis {axis_name!r}, channel {channel!r})")
-
-
 def _merge(outs, lses, *, base2: bool, return_lse: bool) -> list:
   """The merge of ffi/dcp.h in jnp: ``outs`` [N, B, h, D] and ``lses``
   [N, B, h] of N sources, summed in source order."""
@@ -173,10 +166,5 @@ def _all_to_all_path(out, lse, *, axis_name: str, base2: bool, return_lse: bool)
 
 # -- registration ----------------------------------------------------------------
 
-dcp_a2a_p = Primitive("b12x_dcp_a2a")
-dcp_a2a_p.multiple_results = True
-dcp_a2a_p.def_abstract_eval(_abstract_eval)
-dcp_a2a_p.def_impl(_eager_impl)
-for _platform in ("cpu", "cuda"):
-  mlir.register_lowering(dcp_a2a_p, b12x_lowering(_OP, _TARGET, _all_to_all_path, _FALLBACK), platform=_platform)
-mlir.register_lowering(dcp_a2a_p, mlir.lower_fun(_all_to_all_path, multiple_results=True))
+dcp_a2a_p = collective_primitive(_TARGET, _OP, _abstract_eval, _all_to_all_path, _FALLBACK,
+                                 multiple_results=True)

@@ -6,13 +6,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Primitive
-from jax.interpreters import mlir
 
 from b12x_jax import _compat
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import PACK_BYTES, Decision, get_communicator
-from b12x_jax.ops._common import axis_size, b12x_lowering
+from b12x_jax.ops._common import axis_size, collective_primitive
 from b12x_jax.ops.all_reduce import all_reduce
 
 _OP = "all_reduce_residual_rmsnorm"
@@ -135,21 +133,10 @@ def _abstract_eval(x, residual, weight, *, axis_name: str, channel: str, eps: fl
   return [out, out]
 
 
-def _eager_impl(x, residual, weight, *, axis_name: str, channel: str, eps: float):
-  raise ValueError(f"b12x_jax.{_OP} runs inside jax.shard_map under jax.jit, not eagerly "
-                   f"(axis {axis_name!r}, channel {channel!r})")
-
-
 def _psum_path(x, residual, weight, *, axis_name: str, eps: float):
   return list(_unfused(jax.lax.psum(x, axis_name), residual, weight, eps))
 
 
 # -- registration ----------------------------------------------------------------
 
-residual_rmsnorm_p = Primitive("b12x_residual_rmsnorm")
-residual_rmsnorm_p.multiple_results = True
-residual_rmsnorm_p.def_abstract_eval(_abstract_eval)
-residual_rmsnorm_p.def_impl(_eager_impl)
-for _platform in ("cpu", "cuda"):
-  mlir.register_lowering(residual_rmsnorm_p, b12x_lowering(_OP, _TARGET, _psum_path), platform=_platform)
-mlir.register_lowering(residual_rmsnorm_p, mlir.lower_fun(_psum_path, multiple_results=True))
+residual_rmsnorm_p = collective_primitive(_TARGET, _OP, _abstract_eval, _psum_path, multiple_results=True)

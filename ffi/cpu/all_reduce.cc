@@ -74,7 +74,8 @@ void push_to_peers(const ChannelView& v, uint32_t epoch, const Pack* in, size_t 
 
 // `algorithm` selects the CUDA kernel; the host backend reduces in one shot
 // whatever it is, with the same bits (every element summed in rank order).
-ffi::Future AllReduceHost(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+ffi::Future AllReduceHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                          ffi::Result<ffi::AnyBuffer> y,
                           std::string_view channel_id, int32_t /*algorithm*/) {
   ffi::Promise promise;
   ffi::Future future(promise);
@@ -105,8 +106,9 @@ ffi::Future AllReduceHost(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::An
   return future;
 }
 
-ffi::Future ResidualRmsnormHost(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
-                                ffi::Result<ffi::AnyBuffer> normed, ffi::Result<ffi::AnyBuffer> residual_out,
+ffi::Future ResidualRmsnormHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
+                                ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> normed,
+                                ffi::Result<ffi::AnyBuffer> residual_out,
                                 std::string_view channel_id, float eps) {
   ffi::Promise promise;
   ffi::Future future(promise);
@@ -155,7 +157,9 @@ ffi::Future ResidualRmsnormHost(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffe
 XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_all_reduce_host, b12x::AllReduceHost,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::Token>()  // the channel's order (DESIGN C15)
                                   .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::Token>()
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<std::string_view>("channel_id")
                                   .Attr<int32_t>("algorithm"));
@@ -163,9 +167,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_all_reduce_host, b12x::AllReduceHost,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_residual_rmsnorm_host, b12x::ResidualRmsnormHost,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::Token>()  // the channel's order (DESIGN C15)
                                   .Arg<xla::ffi::AnyBuffer>()  // x [..., hidden], this rank's partial sum
                                   .Arg<xla::ffi::AnyBuffer>()  // residual, like x
                                   .Arg<xla::ffi::AnyBuffer>()  // weight [hidden]
+                                  .Ret<xla::ffi::Token>()
                                   .Ret<xla::ffi::AnyBuffer>()  // normed, like x
                                   .Ret<xla::ffi::AnyBuffer>()  // residual_out, like x
                                   .Attr<std::string_view>("channel_id")

@@ -87,7 +87,8 @@ std::string check_call(const RankHandle& handle, const ffi::AnyBuffer& x, const 
   return {};
 }
 
-ffi::Future DcpA2aHost(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer lse, ffi::Result<ffi::AnyBuffer> y,
+ffi::Future DcpA2aHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::AnyBuffer lse, ffi::Result<ffi::Token>,
+                       ffi::Result<ffi::AnyBuffer> y,
                        ffi::RemainingRets rets, std::string_view channel_id, bool base2, bool return_lse) {
   ffi::Promise promise;
   ffi::Future future(promise);
@@ -122,8 +123,10 @@ ffi::Future DcpA2aHost(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer lse, ff
 XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_dcp_a2a_host, b12x::DcpA2aHost,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::Token>()  // the channel's order (DESIGN C15)
                                   .Arg<xla::ffi::AnyBuffer>()  // out [B, H, D]
                                   .Arg<xla::ffi::AnyBuffer>()  // lse [B, H], float32
+                                  .Ret<xla::ffi::Token>()
                                   .Ret<xla::ffi::AnyBuffer>()  // merged out [B, H/N, D]
                                   .RemainingRets()             // merged lse [B, H/N], when asked for
                                   .Attr<std::string_view>("channel_id")

@@ -235,7 +235,8 @@ void launch(const Plan& plan, cudaStream_t stream, const ChannelView& v, const P
   }
 }
 
-ffi::Error AllReduceCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+ffi::Error AllReduceCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::AnyBuffer x,
+                         ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y,
                          std::string_view channel_id, int32_t algorithm) {
   const RankLease handle = Registry::get().lease(Platform::kCuda, channel_id, ordinal);
   if (!handle) return ffi::Error::InvalidArgument(unprepared_message("all_reduce", channel_id, ordinal));
@@ -288,7 +289,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_all_reduce_cuda, b12x::AllReduceCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::Token>()  // the channel's order (DESIGN C15)
                                   .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::Token>()
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<std::string_view>("channel_id")
                                   .Attr<int32_t>("algorithm"),  // above the Lamport window: see Algorithm

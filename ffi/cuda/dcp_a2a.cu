@@ -123,8 +123,8 @@ int want_grid(const DcpShape& s) {
   return static_cast<int>((bytes + kBytesPerBlock - 1) / kBytesPerBlock);
 }
 
-ffi::Error DcpA2aCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer lse,
-                      ffi::Result<ffi::AnyBuffer> y, ffi::RemainingRets rets, std::string_view channel_id, bool base2,
+ffi::Error DcpA2aCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::AnyBuffer lse,
+                      ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y, ffi::RemainingRets rets, std::string_view channel_id, bool base2,
                       bool return_lse) {
   const RankLease handle = Registry::get().lease(Platform::kCuda, channel_id, ordinal);
   if (!handle) return ffi::Error::InvalidArgument(unprepared_message("dcp_a2a", channel_id, ordinal));
@@ -173,8 +173,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_dcp_a2a_cuda, b12x::DcpA2aCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::Token>()  // the channel's order (DESIGN C15)
                                   .Arg<xla::ffi::AnyBuffer>()  // out [B, H, D]
                                   .Arg<xla::ffi::AnyBuffer>()  // lse [B, H], float32
+                                  .Ret<xla::ffi::Token>()
                                   .Ret<xla::ffi::AnyBuffer>()  // merged out [B, H/N, D]
                                   .RemainingRets()             // merged lse [B, H/N], when asked for
                                   .Attr<std::string_view>("channel_id")

@@ -75,8 +75,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-ffi::Error ResidualRmsnormCuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer residual,
-                               ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> normed,
+ffi::Error ResidualRmsnormCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::AnyBuffer x,
+                               ffi::AnyBuffer residual, ffi::AnyBuffer weight, ffi::Result<ffi::Token>,
+                               ffi::Result<ffi::AnyBuffer> normed,
                                ffi::Result<ffi::AnyBuffer> residual_out, std::string_view channel_id, float eps) {
   const std::string op = "b12x_jax.all_reduce_residual_rmsnorm: ";
   const RankLease handle = Registry::get().lease(Platform::kCuda, channel_id, ordinal);
@@ -136,9 +137,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_residual_rmsnorm_cuda, b12x::ResidualRmsnormC
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::Token>()  // the channel's order (DESIGN C15)
                                   .Arg<xla::ffi::AnyBuffer>()  // x [..., hidden], this rank's partial sum
                                   .Arg<xla::ffi::AnyBuffer>()  // residual, like x
                                   .Arg<xla::ffi::AnyBuffer>()  // weight [hidden]
+                                  .Ret<xla::ffi::Token>()
                                   .Ret<xla::ffi::AnyBuffer>()  // normed, like x
                                   .Ret<xla::ffi::AnyBuffer>()  // residual_out, like x
                                   .Attr<std::string_view>("channel_id")

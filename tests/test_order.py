@@ -1,0 +1,58 @@
+"""Calls on one channel run in program order on every device (DESIGN C15).
+
+32 all_reduces whose inputs do not depend on each other, in one program
+(straight, in scan, while_loop and cond), 50 runs: XLA:CPU runs such
+independent custom calls in different orders on different devices, so
+without the channel's order token ranks pair one call with another's data
+(seen before the token: 148 of 640 results wrong at N = 2). Every result
+must be exact (integer inputs: the float32 sum is exact).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import b12x_jax
+from conftest import run_worker
+from test_channels import lowered_text  # noqa: F401 - a fixture
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_independent_calls_on_one_channel_run_in_program_order_on_every_rank(ranks):
+  result = run_worker("order", "--devices", str(ranks), "--calls", "32", "--runs", "50", "--elems", "16384",
+                      hard_timeout=300)
+  assert result["results"] == 50 * 32 * ranks, result
+  assert result["wrong"] == 0, result
+
+
+def _calls(text: str) -> list[tuple[str, str, str]]:
+  """(channel, token in, token out) of every b12x custom call in ``text``."""
+  calls = []
+  for line in text.splitlines():
+    if "stablehlo.custom_call @b12x_" not in line:
+      continue
+    token_out = re.match(r"\s*(%[\w#]+)", line).group(1)
+    token_in = re.search(r"custom_call @b12x_\w+\((%[\w#]+)", line).group(1)
+    calls.append((re.search(r'channel_id = "([^"]+)"', line).group(1), token_in, token_out + "#0"))
+  return calls
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_each_channel_threads_one_token_through_its_calls_and_channels_stay_apart(lowered_text, platform):
+  def body(x):
+    outs = []
+    for name in ("target", "draft", "target", "draft", "target"):
+      with b12x_jax.channel(name):
+        outs.append(b12x_jax.all_reduce(x * len(outs), "x"))
+    return sum(outs)
+
+  calls = _calls(lowered_text(body, platform=platform))
+  assert [c for c, _, _ in calls] == ["target", "draft", "target", "draft", "target"]
+  for name in ("target", "draft"):
+    chain = [(t_in, t_out) for c, t_in, t_out in calls if c == name]
+    for (_, previous_out), (next_in, _) in zip(chain, chain[1:]):
+      assert next_in == previous_out, (name, calls)  # each call takes the token of the one before
+  first_target, first_draft = calls[0][1], calls[1][1]
+  assert first_target != first_draft  # two channels, two tokens: neither waits for the other
