@@ -158,16 +158,19 @@ def abstract_token():
   return core.abstract_token
 
 
-def settle_runtime_token(effect) -> None:
-  """Blocks until the token that JAX's dispatch holds for ``effect`` in
-  this thread (the output of the last executable with that effect) is
-  ready, ignoring the error a failed execution left in it, then drops it:
-  the next executable with ``effect`` starts from a fresh token. jax 0.11
-  keeps these tokens in ``jax._src.dispatch.runtime_tokens``, per thread."""
+def wait_for_dispatched() -> None:
+  """Blocks until every executable with effects this thread dispatched is
+  done, ignoring the errors of failed ones (each raised from its own call),
+  then forgets their tokens, so a failed execution's error does not come
+  back from a later ``jax.effects_barrier()``. jax 0.11 keeps, per thread,
+  the token of the last such executable on each device (for a program over
+  several devices that is the whole record of it) in
+  ``jax._src.dispatch.runtime_tokens``."""
   from jax._src import dispatch
-  token = dispatch.runtime_tokens.current_tokens.pop(effect, None)
-  if token is not None:
+  tokens = dispatch.runtime_tokens
+  for token in [*tokens.current_tokens.values(), *tokens.output_runtime_tokens.values()]:
     try:
       token.block_until_ready()
     except Exception:  # noqa: BLE001 - the failed call raised its own error already
       pass
+  tokens.clear()

@@ -114,21 +114,13 @@ def open_peer(pending, rank: int, exported: bytes) -> None:
     raise TransportError(f"b12x_jax: opening rank {rank}'s memory failed: {e}") from None
 
 
-def retire(platform: str, channel: str) -> None:
-  """Takes the channel out of use, waits (bounded) for this process's calls
-  queued on it, and closes its imports (memory stays). CollectiveTimeoutError
-  if calls are still queued after the bound; the imports then stay open."""
-  try:
-    _b12x.retire(platform, channel)
-  except RuntimeError as e:
-    raise CollectiveTimeoutError(str(e)) from None
-
-
 def release(platform: str, channel: str) -> None:
-  """Frees the channel's memory once no call of this process can touch it:
-  CUDA groups synchronise their devices, host groups wait (bounded) for
-  their queued calls. CollectiveTimeoutError if calls are still queued
-  after the bound; their memory is then kept, never freed under them."""
+  """Takes the channel out of use once this process's calls queued on it are
+  done (CUDA groups have their kernels on the device; host groups wait,
+  bounded, for the progress thread). Its memory stays for the life of the
+  process, since a cached executable or CUDA graph may still point at it
+  (DESIGN C16); the next preparation of the same group reuses it.
+  CollectiveTimeoutError if calls are still queued after the bound."""
   try:
     _b12x.release(platform, channel)
   except RuntimeError as e:

@@ -58,12 +58,11 @@ class ChannelOrder(_compat.effect_base()):
 _compat.register_ordered_effect(ChannelOrder)
 
 
-def settle(name: str) -> None:
-  """Waits until the executions this thread dispatched on channel ``name``
-  are done (their order token is ready; a failed one's error was reported
-  by the call) and forgets the token, so the next execution on the name
-  starts a new order instead of inheriting a failed call's error."""
-  _compat.settle_runtime_token(ChannelOrder(name))
+def settle() -> None:
+  """Waits until every execution this thread dispatched with b12x calls (on
+  any channel) is done, and forgets their order tokens: a failed call's
+  error, raised from that call, does not come back from the next one."""
+  _compat.wait_for_dispatched()
 
 
 def validate_channel_name(name: object, where: str) -> str:

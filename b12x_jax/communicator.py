@@ -95,9 +95,10 @@ class Communicator:
       payload size from the measured crossovers of b12x_jax.tuning (which
       may also pick psum).
 
-  Dropping a Communicator frees nothing (there is no ``__del__``): compiled
-  executables and CUDA graphs may still hold its channels' pointers (DESIGN
-  C11). Memory goes with ``close()``, or with the process.
+  Channel memory is never freed before the process ends, by ``close()``
+  and ``release()`` neither (there is no ``__del__``): compiled executables
+  and CUDA graphs may still hold its pointers (DESIGN C16). Preparing a
+  released group again with the same settings reuses its memory.
   """
 
   def __init__(self, *, capacity_bytes: int = 8 * MiB, timeout_s: float = 10.0,
@@ -208,6 +209,7 @@ class Communicator:
       raise TypeError(f"Communicator.prepare: channels must be a list of channel names, got the string "
                       f"{channels!r}; write channels=[{channels!r}]")
     names = sorted({validate_channel_name(c, "Communicator.prepare(channels=...)") for c in channels})
+    settle()  # a call that failed since the last release (not prepared) must not taint the next
     devices = np.moveaxis(np.asarray(mesh.devices, dtype=object), list(mesh.axis_names).index(axis_name), -1)
     groups = [tuple(row) for row in devices.reshape(-1, devices.shape[-1])]
     for name in names:
@@ -308,18 +310,22 @@ class Communicator:
   # -- teardown (DESIGN C11) ---------------------------------------------------
 
   def release(self, channel: str) -> None:
-    """Frees ``channel`` on every platform after the work queued on it is done;
-    it can be prepared again later under the same name. CUDA groups wait for
-    their devices; CPU groups wait for the calls queued on the progress
-    thread, at most 2 * timeout_s + 1 s (each call ends within one timeout),
-    and otherwise keep their memory and raise CollectiveTimeoutError.
+    """Takes ``channel`` out of use on every platform once the work queued on
+    it is done; it can be prepared again later under the same name. First
+    waits for the executions this thread dispatched on it; then CUDA groups
+    have their kernels on the device, and CPU groups wait for the calls
+    queued on the progress thread, at most 2 * timeout_s + 1 s (each call
+    ends within one timeout), else raise CollectiveTimeoutError.
+
+    The memory is never freed before the process ends (DESIGN C16): a cached
+    executable or CUDA graph may still point at it. Preparing the same group
+    with the same settings again reuses it, reset; a cached executable run
+    after ``release`` and before that raises "not prepared" (or, replayed
+    from a CUDA graph, runs on the kept memory: never on freed memory).
 
     Where the channel is shared between processes this is collective
-    (rendezvous.release_shared: barrier, close imports, barrier, free): call
-    it on every process. If a peer does not answer, this process forgets the
-    channel but keeps its memory (a peer may still map it) and raises
-    CollectiveTimeoutError."""
-    settle(channel)
+    (rendezvous.release_shared): call it on every process."""
+    settle()
     with self._lock:
       for platform, name in list(self._groups):
         if name != channel:
@@ -421,7 +427,7 @@ def _close_at_exit() -> None:
   # runs before them: pending work finishes, then memory is released while
   # the backends, and jax.distributed for the collective release, still exist.
   if _active is not None and _active.prepared_channels():
-    _active.close()  # each release first waits for the channel's executions (channels.settle)
+    _active.close()  # release first waits for this thread's executions (channels.settle)
 
 
 atexit.register(_close_at_exit)

@@ -188,22 +188,16 @@ def prepare_shared(platform: str, channel: str, group_key: str, processes: Seque
 
 def release_shared(platform: str, channel: str, processes: Sequence[int], timeout_s: float) -> None:
   """Releases every group of ``channel`` on ``platform`` in this process,
-  collectively with ``processes`` (DESIGN C11):
-
-    drained  every process stopped issuing work on the channel; then each
-             takes it out of use and closes its imports (after waiting for
-             its device);
-    closed   nobody maps a peer's memory any more; then each frees its own.
-
-  If a peer does not answer, the imports are closed anyway (this process's
-  work is done) but the exports are kept, and CollectiveTimeoutError raised."""
+  collectively with ``processes``: a verdict once every process stopped
+  issuing work on the channel, then each takes it out of use. Nothing is
+  unmapped or freed: a cached executable or CUDA graph of any process may
+  still point at the memory, its own or a peer's (DESIGN C16); a later
+  preparation of the name allocates and exchanges anew."""
   session = Session(f"release/{platform}/{channel}", processes, timeout_s)
   try:
     session.verdict("drained", None)
   finally:
-    _native.retire(platform, channel)
-  session.verdict("closed", None)
-  _native.release(platform, channel)
+    _native.release(platform, channel)
 
 
 def _attempt(fn):

@@ -138,15 +138,20 @@ NB_MODULE(_b12x, m) {
       .def_rw("poison_outputs", &ChannelOptions::poison_outputs);
 
   m.def("prepare_host", [](const std::string& channel, std::vector<int> ordinals, const ChannelOptions& options) {
+    if (Registry::get().revive(Platform::kHost, channel, ordinals, options)) return;
     add_group(make_host_group(channel, std::move(ordinals), options));
   }, nb::arg("channel"), nb::arg("ordinals"), nb::arg("options"),
-     "Allocates the channel in host memory for the given CPU devices, ranks in list order.");
+     "Allocates the channel in host memory for the given CPU devices, ranks in list order, or reuses the "
+     "memory of its last release with the same devices and options.");
 
 #if defined(B12X_WITH_CUDA)
-  m.def("prepare_cuda", [](const std::string& channel, std::vector<int> ordinals, const ChannelOptions& options) {
+  m.def("prepare_cuda", [](const std::string& channel, std::vector<int> ordinals, ChannelOptions options) {
+    options.max_blocks = resolve_max_blocks(options, ordinals);  // as the group stores them
+    if (Registry::get().revive(Platform::kCuda, channel, ordinals, options)) return;
     add_group(make_cuda_group(channel, std::move(ordinals), options));
   }, nb::arg("channel"), nb::arg("ordinals"), nb::arg("options"),
-     "Allocates the channel on the given GPUs of this process, enables and probes peer access.");
+     "Allocates the channel on the given GPUs of this process (peer access probed before), or reuses the "
+     "memory of its last release with the same devices and options.");
   m.def("probe_peer_access", &probe_peer_access, nb::arg("ordinals"),
         "Empty when every pair of the GPUs can read and write each other's memory, else why not.");
 #endif
@@ -174,28 +179,12 @@ NB_MODULE(_b12x, m) {
      "ordinals[r] is -1 for a rank another process holds.");
 #endif
 
-  m.def("retire", [](const std::string& platform, const std::string& channel) {
-    return Registry::get().retire(parse_platform(platform), channel);
-  }, nb::arg("platform"), nb::arg("channel"),
-     "Takes the channel out of use and closes its imports from other processes; its memory stays until "
-     "release. Returns how many groups it retired.");
-
   m.def("release", [](const std::string& platform, const std::string& channel) {
-    // Dropping the groups frees their memory; CUDA groups synchronise their
-    // devices first (see cuda_channel.cc), host groups wait for their queued
-    // calls. A group with calls still queued is kept, on purpose: freeing it
-    // would let those calls write into freed memory.
-    std::vector<std::unique_ptr<ChannelGroup>> taken = Registry::get().take(parse_platform(platform), channel);
-    std::string busy;
-    for (std::unique_ptr<ChannelGroup>& group : taken) {
-      if (group->wait_idle()) continue;
-      busy += (busy.empty() ? "" : "\n") + busy_message(*group);
-      (void)group.release();  // kept: see above
-    }
-    if (!busy.empty()) throw std::runtime_error(busy);
-    return taken.size();
+    return Registry::get().release(parse_platform(platform), channel);
   }, nb::arg("platform"), nb::arg("channel"),
-     "Frees every group of the channel on the platform, retired or not; returns how many there were.");
+     "Takes every group of the channel on the platform out of use once its queued work is done; its memory "
+     "stays for the life of the process (executables may point at it) and is reused by the next preparation "
+     "of the same group. Returns how many groups there were.");
 
   m.def("stats", [](const std::string& platform, const std::string& channel, int ordinal) {
     const RankHandle h = find_or_throw(platform, channel, ordinal);

@@ -51,49 +51,45 @@ RankHandle Registry::find_locked(Platform platform, std::string_view channel, in
   return {};
 }
 
-namespace {
-
-// Moves the groups of (platform, channel) from `from` to the end of `to`.
-void move_matching(std::vector<std::unique_ptr<ChannelGroup>>& from, std::vector<std::unique_ptr<ChannelGroup>>& to,
-                   Platform platform, std::string_view channel) {
-  std::vector<std::unique_ptr<ChannelGroup>> kept;
-  for (auto& group : from) {
-    auto& into = (group->platform() == platform && group->channel() == channel) ? to : kept;
-    into.push_back(std::move(group));
+bool Registry::revive(Platform platform, std::string_view channel, const std::vector<int>& ordinals,
+                      const ChannelOptions& options) {
+  std::unique_lock lock(mutex_);
+  for (auto it = released_.begin(); it != released_.end(); ++it) {
+    ChannelGroup& group = **it;
+    if (group.platform() != platform || group.channel() != channel || group.ordinals() != ordinals ||
+        !(group.options() == options) || !group.wait_idle() || !group.reset()) {
+      continue;
+    }
+    groups_.push_back(std::move(*it));
+    released_.erase(it);
+    return true;
   }
-  from = std::move(kept);
+  return false;
 }
 
-}  // namespace
-
-size_t Registry::retire(Platform platform, std::string_view channel) {
-  std::vector<ChannelGroup*> closing;
+size_t Registry::release(Platform platform, std::string_view channel) {
+  std::vector<ChannelGroup*> releasing;
   {
     std::unique_lock lock(mutex_);
-    const size_t before = retired_.size();
-    move_matching(groups_, retired_, platform, channel);
-    for (size_t i = before; i < retired_.size(); ++i) closing.push_back(retired_[i].get());
-  }
-  // Outside the lock: closing waits for the device, and handlers of other
-  // channels must still find theirs meanwhile.
-  std::string busy;
-  for (ChannelGroup* group : closing) {
-    if (group->wait_idle()) {
-      group->close_imports();
-    } else {
-      busy += (busy.empty() ? "" : "\n") + busy_message(*group);
+    std::vector<std::unique_ptr<ChannelGroup>> kept;
+    for (auto& group : groups_) {
+      if (group->platform() == platform && group->channel() == channel) {
+        releasing.push_back(group.get());
+        released_.push_back(std::move(group));
+      } else {
+        kept.push_back(std::move(group));
+      }
     }
+    groups_ = std::move(kept);
+  }
+  // Outside the lock: waiting for queued work must not keep handlers of
+  // other channels from finding theirs.
+  std::string busy;
+  for (ChannelGroup* group : releasing) {
+    if (!group->wait_idle()) busy += (busy.empty() ? "" : "\n") + busy_message(*group);
   }
   if (!busy.empty()) throw std::runtime_error(busy);
-  return closing.size();
-}
-
-std::vector<std::unique_ptr<ChannelGroup>> Registry::take(Platform platform, std::string_view channel) {
-  std::unique_lock lock(mutex_);
-  std::vector<std::unique_ptr<ChannelGroup>> taken;
-  move_matching(retired_, taken, platform, channel);
-  move_matching(groups_, taken, platform, channel);
-  return taken;
+  return releasing.size();
 }
 
 std::vector<const ChannelGroup*> Registry::groups() const {
@@ -134,8 +130,7 @@ std::string timeout_message(const ChannelGroup& group, int rank) {
 
 std::string busy_message(const ChannelGroup& group) {
   return "b12x_jax: channel '" + group.channel() + "' still has calls queued that stopped finishing after it "
-         "was taken out of use; its memory is kept (a queued call may still touch it). Block on the results "
-         "of its calls before releasing it.";
+         "was taken out of use. Block on the results of its calls before releasing it.";
 }
 
 std::string pending_error(const ChannelGroup& group, int rank) {

@@ -27,6 +27,11 @@ struct ChannelOptions {
   double timeout_s = 10.0;    // bound on every wait for a peer (DESIGN C8)
   int max_blocks = 0;         // largest CUDA grid; 0: min(kMaxBlocks, SM count)
   bool poison_outputs = false;  // debug: fill outputs with NaN before a kernel writes them
+
+  bool operator==(const ChannelOptions& o) const {
+    return capacity_bytes == o.capacity_bytes && lamport_bytes == o.lamport_bytes && timeout_s == o.timeout_s &&
+           max_blocks == o.max_blocks && poison_outputs == o.poison_outputs;
+  }
 };
 
 // The view every rank of a group starts from, before any pointer is set:
@@ -43,8 +48,9 @@ inline constexpr int kRemoteRank = -1;
 // for a rank another process holds; views and error records exist for local
 // ranks only, and a local rank's view points at every rank's memory (local
 // allocations and imports). Subclasses own the memory and free it in their
-// destructor, which runs only on an explicit release (DESIGN C11: nothing is
-// freed behind a peer's back).
+// destructor, which runs only for a group that never served a handler (a
+// rolled-back preparation): an installed group's memory lives as long as the
+// process, since executables and CUDA graphs keep its pointers (DESIGN C16).
 class ChannelGroup {
  public:
   ChannelGroup(std::string channel, Platform platform, std::vector<int> ordinals, ChannelOptions options)
@@ -65,6 +71,13 @@ class ChannelGroup {
   // rank did this (communicator.py runs it between two collective
   // barriers). Nothing to do for a group held by one process.
   virtual void close_imports() {}
+
+  // Puts a released group back into its freshly prepared state (zero
+  // counters, empty buffers, no error) for a new preparation of the same
+  // channel, devices and options; false for a transport that cannot (a group
+  // shared with other processes is prepared anew, collectively). Only called
+  // once wait_idle() said no work can touch the memory.
+  virtual bool reset() { return false; }
 
   // Waits, bounded, until no work of this process queued before the group
   // was taken out of use can still touch its memory; false if some still
@@ -111,16 +124,20 @@ class Registry {
   // Takes ownership; fails (returns a message) if a device of the group
   // already serves this channel in another group.
   std::string add(std::unique_ptr<ChannelGroup> group);
+  // A released group of `channel` on exactly these ordinals and options, put
+  // back into use after a reset (ChannelGroup::reset); false if none.
+  bool revive(Platform platform, std::string_view channel, const std::vector<int>& ordinals,
+              const ChannelOptions& options);
   RankHandle find(Platform platform, std::string_view channel, int ordinal) const;
   // find, for a handler: see RankLease.
   RankLease lease(Platform platform, std::string_view channel, int ordinal) const;
   // Takes every group of `channel` on `platform` out of use (handlers no
-  // longer find it), waits until it is idle and closes its imports; its own
-  // memory stays until `take`. Returns how many groups it retired; throws
-  // std::runtime_error, imports left open, where work is still queued.
-  size_t retire(Platform platform, std::string_view channel);
-  // Removes and returns every group of `channel` on `platform`, retired or not.
-  std::vector<std::unique_ptr<ChannelGroup>> take(Platform platform, std::string_view channel);
+  // longer find it) and waits until no queued work can touch it. Its memory
+  // stays, for the life of the process (DESIGN C16): a cached executable or
+  // CUDA graph may still point at it, and a later preparation of the same
+  // group reuses it. Returns how many groups it released; throws
+  // std::runtime_error naming the groups whose work is still queued.
+  size_t release(Platform platform, std::string_view channel);
   std::vector<const ChannelGroup*> groups() const;
 
  private:
@@ -128,7 +145,7 @@ class Registry {
 
   mutable std::shared_mutex mutex_;
   std::vector<std::unique_ptr<ChannelGroup>> groups_;
-  std::vector<std::unique_ptr<ChannelGroup>> retired_;
+  std::vector<std::unique_ptr<ChannelGroup>> released_;
 };
 
 // "b12x_jax: channel 'x' rank r timed out ..." for a complete record.

@@ -316,12 +316,9 @@ def race_mode(args) -> dict:
 
 def close_pending_mode(args) -> dict:
   """``runs`` calls dispatched without waiting, then close() at once. close
-  waits for the calls that reached the library (queued on the progress
-  thread or a GPU stream): none may touch freed memory. A call XLA had not
-  started yet finds its channel gone and raises the "not prepared" error,
-  and its peer rank, if already queued, the timeout error. So every result
-  is right or one of these errors, never a wrong number or a crash; a
-  second close() is harmless."""
+  waits for every execution this thread dispatched (the channel's order
+  tokens, channels.settle), so every result is right; a second close() is
+  harmless. Any failure is reported, never a wrong number or a crash."""
   import jax
   import numpy as np
   from jax.sharding import NamedSharding

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <new>
 #include <stdexcept>
+#include <utility>
 
 #include "../protocol.h"
 #include "host_memory.h"
@@ -12,13 +13,7 @@
 namespace b12x {
 namespace {
 
-void* zeroed(size_t bytes) {
-  const size_t rounded = (bytes + 127) / 128 * 128;
-  void* p = std::aligned_alloc(128, rounded);
-  if (p == nullptr) throw std::bad_alloc();
-  std::memset(p, 0, rounded);
-  return p;
-}
+size_t rounded(size_t bytes) { return (bytes + 127) / 128 * 128; }
 
 class HostGroup final : public ChannelGroup {
  public:
@@ -29,10 +24,7 @@ class HostGroup final : public ChannelGroup {
     for (int r = 0; r < world; ++r) {
       view.signals[r] = static_cast<Signal*>(zeroed(sizeof(Signal)));
       view.staging[r] = static_cast<char*>(zeroed(view.layout.total_bytes()));
-      allocations_.push_back(view.signals[r]);
-      allocations_.push_back(view.staging[r]);
       host_errors_.push_back(static_cast<ErrorRecord*>(zeroed(sizeof(ErrorRecord))));
-      allocations_.push_back(host_errors_.back());
     }
     for (int r = 0; r < world; ++r) {
       view.rank = r;
@@ -42,7 +34,12 @@ class HostGroup final : public ChannelGroup {
   }
 
   ~HostGroup() override {
-    for (void* p : allocations_) std::free(p);
+    for (const auto& [p, bytes] : allocations_) std::free(p);
+  }
+
+  bool reset() override {
+    for (const auto& [p, bytes] : allocations_) std::memset(p, 0, bytes);
+    return true;
   }
 
   uint32_t read_calls(int rank) const override { return read_host_calls(views_[rank]); }
@@ -50,7 +47,15 @@ class HostGroup final : public ChannelGroup {
   bool wait_idle() const override { return wait_host_calls(this, host_idle_bound_s(options_)); }
 
  private:
-  std::vector<void*> allocations_;
+  void* zeroed(size_t bytes) {
+    void* p = std::aligned_alloc(128, rounded(bytes));
+    if (p == nullptr) throw std::bad_alloc();
+    allocations_.emplace_back(p, rounded(bytes));
+    std::memset(p, 0, rounded(bytes));
+    return p;
+  }
+
+  std::vector<std::pair<void*, size_t>> allocations_;  // every allocation, with its size
 };
 
 }  // namespace

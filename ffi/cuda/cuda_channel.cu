@@ -124,6 +124,26 @@ class CudaGroup final : public ChannelGroup {
     free_all();
   }
 
+  // After the devices finished every call (a replayed graph included) and
+  // before any new one: the memory as it was allocated.
+  bool reset() override {
+    DeviceGuard guard;
+    const auto synchronize_all = [&] {
+      for (int d : ordinals_) {
+        B12X_CUDA_CHECK(cudaSetDevice(d));
+        B12X_CUDA_CHECK(cudaDeviceSynchronize());
+      }
+    };
+    synchronize_all();
+    for (const Allocation& a : device_memory_) {
+      B12X_CUDA_CHECK(cudaSetDevice(a.device));
+      B12X_CUDA_CHECK(cudaMemset(a.p, a.fill, a.bytes));
+    }
+    synchronize_all();
+    for (ErrorRecord* record : host_errors_) *record = ErrorRecord{};
+    return true;
+  }
+
   uint32_t read_calls(int rank) const override {
     return read_device_calls(ordinals_[rank], views_[rank].signals[rank], rank);
   }
@@ -136,23 +156,29 @@ class CudaGroup final : public ChannelGroup {
   void* device_alloc(int rank, size_t bytes, int fill) {
     void* p = nullptr;
     B12X_CUDA_CHECK(cudaMalloc(&p, bytes));
-    device_memory_.push_back({ordinals_[rank], p});
+    device_memory_.push_back({ordinals_[rank], p, bytes, fill});
     B12X_CUDA_CHECK(cudaMemset(p, fill, bytes));
     return p;
   }
 
   // Frees whatever the constructor got to.
   void free_all() {
-    for (const auto& [device, p] : device_memory_) {
-      cudaSetDevice(device);
-      cudaFree(p);
+    for (const Allocation& a : device_memory_) {
+      cudaSetDevice(a.device);
+      cudaFree(a.p);
     }
     for (ErrorRecord* record : host_errors_) cudaFreeHost(record);
     device_memory_.clear();
     host_errors_.clear();
   }
 
-  std::vector<std::pair<int, void*>> device_memory_;
+  struct Allocation {
+    int device;
+    void* p;
+    size_t bytes;
+    int fill;  // the byte it was allocated with (and is reset to)
+  };
+  std::vector<Allocation> device_memory_;
 
 };
 

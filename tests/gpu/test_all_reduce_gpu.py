@@ -149,9 +149,9 @@ def test_a_failed_peer_probe_lowers_to_psum_or_raises_under_strict(monkeypatch):
   _check_values(4096, "float32")  # a new communicator probes again, and the real probe passes
 
 
-def test_close_with_calls_still_queued_on_gpus_finishes_them_or_they_raise_clear_errors():
+def test_close_with_calls_still_queued_on_gpus_waits_for_every_one_of_them():
   result = run_worker("close_pending", "--platform", "gpu", "--runs", "200", hard_timeout=300)
-  assert result["right"] + result["failed"] == 200 and result["right"] > 0 and result["prepared"] == [], result
+  assert result["right"] == 200 and result["failed"] == 0 and result["prepared"] == [], result
 
 
 @pytest.mark.parametrize("algorithm", ["two_shot", "one_shot_pull"])
