@@ -54,14 +54,17 @@ def multiprocess():
   ``jax.distributed`` on 127.0.0.1, one device each; kills every one still
   running after ``hard_timeout`` seconds, and returns their RESULTs in
   process order (asserting each exited 0 with one; the processes in
-  ``killed`` must have died of SIGKILL instead, and give None)."""
+  ``killed`` must have died of SIGKILL instead, and give None). ``env``
+  adds variables to the environment of single processes: {process: {name:
+  value}}."""
   def run(mode: str, n: int = 2, *args: str, platform: str = "cpu", hard_timeout: float = 120.0,
-          killed: tuple[int, ...] = ()) -> list[dict | None]:
+          killed: tuple[int, ...] = (), env: dict[int, dict[str, str]] | None = None) -> list[dict | None]:
     port = str(_free_port())
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not this process's 4 emulated devices
+    common = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not this process's 4 emulated devices
     procs = [subprocess.Popen([sys.executable, MP_WORKERS, mode, "--process-id", str(i), "--num-processes", str(n),
                                "--port", port, "--platform", platform, *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for i in range(n)]
+                              stderr=subprocess.PIPE, text=True, env={**common, **(env or {}).get(i, {})})
+             for i in range(n)]
     outputs, timed_out = [], False
     for proc in procs:
       try:

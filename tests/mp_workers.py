@@ -311,9 +311,33 @@ def killed_peer_mode(args) -> dict:
   os._exit(0)
 
 
+def settings_mode(args) -> dict:
+  """Each process makes its own Communicator (``--communicators``: a JSON
+  list of keyword arguments, one dict per process; the environment may
+  differ too) and runs all_reduce on fresh 4 KiB shards. Returns the error
+  it raised, or, after checking the values against float64, the path the
+  call took and why; and the shared memory still mapped."""
+  import jax
+  import numpy as np
+
+  import b12x_jax
+  mesh = _mesh()
+  b12x_jax.set_communicator(b12x_jax.Communicator(**json.loads(args.communicators)[jax.process_index()]))
+  start = time.monotonic()
+  try:
+    with b12x_jax.channel("agreed"):
+      _check(_reducer(mesh, b12x_jax.all_reduce), mesh, np.random.default_rng(5), 1024, "float32",
+             roundings=jax.device_count())  # the psum path may round at every step
+  except b12x_jax.B12xError as e:
+    return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start,
+            "mapped": _mapped_shm()}
+  decision = b12x_jax.get_communicator().decisions[-1]
+  return {"error": None, "path": decision.path, "reason": decision.reason, "mapped": _mapped_shm()}
+
+
 MODES = {"all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
          "never_joins": never_joins_mode, "close_twice": close_twice_mode, "throwaway": throwaway_mode,
-         "exit_pending": exit_pending_mode, "killed_peer": killed_peer_mode}
+         "exit_pending": exit_pending_mode, "killed_peer": killed_peer_mode, "settings": settings_mode}
 
 
 def main() -> None:
@@ -325,6 +349,7 @@ def main() -> None:
   parser.add_argument("--platform", default="cpu", choices=["cpu", "gpu"])
   parser.add_argument("--setup-timeout", type=float, default=3.0)
   parser.add_argument("--timeout", type=float, default=2.0)
+  parser.add_argument("--communicators", default="[]")
   args = parser.parse_args()
   sys.path.insert(0, os.path.dirname(__file__))
   _setup(args)
