@@ -18,7 +18,39 @@ def test_all_reduce_across_processes_matches_float64_with_identical_bits(multipr
   results = multiprocess("all_reduce")
   assert [r["rank"] for r in results] == [0, 1] and {r["world"] for r in results} == {2}
   assert results[0]["hashes"] == results[1]["hashes"]  # each process checked its values against float64
-  assert {r["epoch"] for r in results} == {8}
+  assert [r["epochs"] for r in results] == [[8], [8]]
+
+
+# The Lamport window (CUDA; the barrier protocol on CPU), then each algorithm
+# of the barrier path, outputs poisoned; and the epochs each ends at per
+# platform (4 sizes times 2 calls; a CUDA two-shot call counts two, the
+# host backend reduces in one shot whatever the algorithm).
+ALL_REDUCE_CONFIGS = [{"poison_outputs": True}] + [
+    {"lamport_bytes": 0, "algorithm": a, "poison_outputs": True} for a in ("one_shot", "two_shot", "one_shot_pull")]
+ALL_REDUCE_EPOCHS = {"cpu": [8, 8, 8, 8], "cuda": [8, 8, 16, 8]}
+
+
+def check_all_reduce_configs(results: list[dict], platform: str) -> None:
+  """all_reduce mode under ALL_REDUCE_CONFIGS: every process checked its
+  values against float64, and all hold identical bits."""
+  assert [r["rank"] for r in results] == list(range(len(results))), results
+  assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == 16
+  assert [r["epochs"] for r in results] == [ALL_REDUCE_EPOCHS[platform]] * len(results)
+
+
+def test_all_reduce_across_processes_under_each_algorithm_matches_float64(multiprocess):
+  check_all_reduce_configs(multiprocess("all_reduce", 2, "--configs", json.dumps(ALL_REDUCE_CONFIGS)), "cpu")
+
+
+def test_the_fused_op_across_processes_matches_float64_with_identical_bits(multiprocess):
+  results = multiprocess("residual_rmsnorm", 2, "--communicator", json.dumps({"poison_outputs": True}))
+  assert results[0]["hashes"] == results[1]["hashes"] and len(results[0]["hashes"]) == 9
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_process_that_prepared_but_never_calls_gives_the_others_the_timeout_error(multiprocess, n):
+  results = multiprocess("never_calls", n, "--timeout", "2")
+  check_never_calls(results, timeout="2")
 
 
 def test_dcp_a2a_across_processes_matches_full_attention(multiprocess):
@@ -137,3 +169,20 @@ def test_a_frame_survives_encoding_and_a_frame_of_another_version_is_refused():
     rendezvous.Frame.decode(bytes(older))
   with pytest.raises(b12x_jax.ChannelError, match="truncated or malformed"):
     rendezvous.Frame.decode(frame.encode()[:-1])
+
+
+def check_never_calls(results: list[dict], timeout: str) -> None:
+  """The callers of never_calls mode: both calls raised the timeout error
+  naming the channel, the caller's rank and the epoch, and the rank that
+  never came (or, on a caller that stopped because another gave up, that
+  one) within a bounded time; an output that came back (CUDA) is all NaN."""
+  *callers, absent = results
+  victim = len(results) - 1
+  assert absent == {"called": False}
+  for rank, r in enumerate(callers):
+    assert len(r["messages"]) == 2 and all(r["nan_outputs"]), r
+    for message in r["messages"]:
+      assert re.search(rf"channel 'lonely' rank {rank} (timed out after {timeout} s at epoch \d+ waiting for rank "
+                       rf"{victim}|stopped at epoch \d+: rank \d+ gave up)", message), r
+    assert r["seconds"] < 2 * float(timeout) + 10, r
+  assert any(f"waiting for rank {victim}" in r["messages"][0] for r in callers), callers
