@@ -205,7 +205,9 @@ class Session:
         f"b12x_jax: {self.what}: step {step!r} timed out after {self.timeout_s:g} s in process {self.me}: "
         f"{missing}. Preparing and releasing a channel shared between processes are collective: every "
         f"process of the group must make the same calls (Communicator.prepare / release / close, or lower "
-        f"the same program); raise Communicator(setup_timeout_s=...) if a process is only slow.")
+        f"the same program with the same Communicator settings: a process with policy 'psum', or a window "
+        f"its call falls outside of, prepares nothing); raise Communicator(setup_timeout_s=...) if a process "
+        f"is only slow.")
 
 
 # Memory a rollback or release could not prove unmapped everywhere (a peer
