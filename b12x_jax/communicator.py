@@ -278,9 +278,14 @@ class Communicator:
       else:
         group_key = "-".join(str(d.id) for d in group)  # global ids: the same name in every process
         rendezvous.prepare_shared(platform, channel, group_key, processes, list(ordinals), options,
-                                  self.setup_timeout_s)
+                                  self._settings(), self.setup_timeout_s)
         self._shared.setdefault((platform, channel), set()).update(processes)
       self._groups.setdefault((platform, channel), []).append(ordinals)
+
+  def _settings(self) -> rendezvous.Settings:
+    """What peers in other processes must share with this one (DESIGN C17)."""
+    return rendezvous.Settings(self.algorithm, self.policy, self.capacity_bytes, self.lamport_bytes,
+                               self.max_blocks or 0, self.timeout_s, self.poison_outputs)
 
   # -- inspection --------------------------------------------------------------
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
+import socket
 import struct
 import threading
 from collections.abc import Sequence
@@ -21,53 +23,127 @@ from b12x_jax import _compat, _native
 from b12x_jax.errors import B12xError, ChannelError, CollectiveTimeoutError, TransportError
 
 FRAME_MAGIC = b"B12X"
-FRAME_VERSION = 1
-# magic, version, platform, rank, world, block_bytes, lamport_block_bytes,
-# max_blocks, channel name length, payload length; then the name (UTF-8)
-# and the payload. Little-endian, no padding: the same bytes on every host.
-_HEADER = struct.Struct("<4sHBxiiQQiHI")
+FRAME_VERSION = 2
+# magic, version, platform, poison_outputs, rank, world, process,
+# block_bytes, lamport_block_bytes, max_blocks (the layout), capacity_bytes,
+# lamport_bytes, max_blocks, timeout_s (the settings), then the lengths of the
+# channel name, host, algorithm, policy and payload; then those four strings
+# (UTF-8) and the payload. Little-endian, no padding: the same bytes on every
+# host.
+_HEADER = struct.Struct("<4sHBBiiiQQiQQidHHBBI")
+_VERSION = struct.Struct("<4sH")  # the part every version shares
 _PLATFORMS = ("cpu", "cuda")
+# Overrides the host identity (host_id): tests make two local processes look
+# like two hosts with it.
+HOST_ID_ENV = "B12X_JAX_HOST_ID"
+
+
+def host_id() -> str:
+  """The host this process runs on: $B12X_JAX_HOST_ID if set, else the
+  hostname and the kernel's boot id (two machines that share a hostname,
+  containers, still differ). Processes on different hosts cannot map each
+  other's memory (DESIGN C12)."""
+  override = os.environ.get(HOST_ID_ENV)
+  if override:
+    return override
+  try:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+      boot = f.read().strip()
+  except OSError:
+    boot = "no boot id"
+  return f"{socket.gethostname()} ({boot})"
+
+
+_SAME_COMMUNICATOR = "pass the same Communicator({}=...) in every process"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """A process's Communicator settings that change the wire protocol or the
+  per-call decision (which path a call takes, its grid, its staging): every
+  process of a group must have the same (DESIGN C17). Each field's metadata
+  says how to make them agree."""
+  algorithm: str = dataclasses.field(metadata={"fix": _SAME_COMMUNICATOR.format("algorithm")})
+  policy: str = dataclasses.field(metadata={
+      "fix": "pass the same Communicator(policy=...) in every process, or set the environment variable "
+             "B12X_JAX_POLICY the same in every process (each reads its own)"})
+  capacity_bytes: int = dataclasses.field(metadata={"fix": _SAME_COMMUNICATOR.format("capacity_bytes")})
+  lamport_bytes: int = dataclasses.field(metadata={"fix": _SAME_COMMUNICATOR.format("lamport_bytes")})
+  max_blocks: int = dataclasses.field(metadata={"fix": _SAME_COMMUNICATOR.format("max_blocks")})  # 0: as many as fit
+  timeout_s: float = dataclasses.field(metadata={"fix": _SAME_COMMUNICATOR.format("timeout_s")})
+  poison_outputs: bool = dataclasses.field(metadata={"fix": _SAME_COMMUNICATOR.format("poison_outputs")})
 
 
 @dataclasses.dataclass(frozen=True)
 class Frame:
-  """What rank ``rank`` of a channel publishes for its peers."""
+  """What rank ``rank`` of a channel, held by process ``process`` on host
+  ``host``, publishes for its peers."""
   platform: str
   channel: str
   rank: int
   world: int
+  process: int
+  host: str
+  settings: Settings
   layout: tuple[int, int, int]  # (block_bytes, lamport_block_bytes, max_blocks): equal on every rank
   payload: bytes
 
   def encode(self) -> bytes:
-    name = self.channel.encode()
-    return _HEADER.pack(FRAME_MAGIC, FRAME_VERSION, _PLATFORMS.index(self.platform), self.rank, self.world,
-                        *self.layout, len(name), len(self.payload)) + name + self.payload
+    s = self.settings
+    strings = [v.encode() for v in (self.channel, self.host, s.algorithm, s.policy)]
+    return _HEADER.pack(FRAME_MAGIC, FRAME_VERSION, _PLATFORMS.index(self.platform), s.poison_outputs, self.rank,
+                        self.world, self.process, *self.layout, s.capacity_bytes, s.lamport_bytes, s.max_blocks,
+                        s.timeout_s, *map(len, strings), len(self.payload)) + b"".join(strings) + self.payload
 
   @classmethod
   def decode(cls, data: bytes) -> Frame:
     """The frame in ``data``; ChannelError if it is not a frame of this version."""
-    if len(data) < _HEADER.size or data[:4] != FRAME_MAGIC:
+    if len(data) < _VERSION.size or data[:4] != FRAME_MAGIC:
       raise ChannelError("b12x_jax: a peer published something that is not a b12x_jax frame")
-    magic, version, platform, rank, world, block, lamport, blocks, name_len, payload_len = _HEADER.unpack_from(data)
-    del magic
+    version = _VERSION.unpack_from(data)[1]
     if version != FRAME_VERSION:
       raise ChannelError(f"b12x_jax: a peer speaks frame version {version}, this process {FRAME_VERSION}: run the "
                          "same b12x_jax in every process")
-    if len(data) != _HEADER.size + name_len + payload_len or platform >= len(_PLATFORMS):
+    if len(data) < _HEADER.size:
       raise ChannelError("b12x_jax: a peer's frame is truncated or malformed")
-    name = data[_HEADER.size:_HEADER.size + name_len].decode()
-    return cls(_PLATFORMS[platform], name, rank, world, (block, lamport, blocks), data[_HEADER.size + name_len:])
+    (_, _, platform, poison, rank, world, process, block, lamport_block, blocks, capacity, lamport, max_blocks,
+     timeout_s, *lengths) = _HEADER.unpack_from(data)
+    if len(data) != _HEADER.size + sum(lengths) or platform >= len(_PLATFORMS):
+      raise ChannelError("b12x_jax: a peer's frame is truncated or malformed")
+    fields, at = [], _HEADER.size
+    for length in lengths:
+      fields.append(data[at:at + length])
+      at += length
+    channel, host, algorithm, policy = (f.decode() for f in fields[:4])
+    settings = Settings(algorithm, policy, capacity, lamport, max_blocks, timeout_s, bool(poison))
+    return cls(_PLATFORMS[platform], channel, rank, world, process, host, settings, (block, lamport_block, blocks),
+               fields[4])
 
   def check_peer(self, peer: Frame, rank: int) -> None:
     """Raises ChannelError naming the field where ``peer``, published as
-    rank ``rank``, disagrees with this rank's frame."""
+    rank ``rank``, disagrees with this rank's frame: its identity first,
+    then the settings (naming both processes and both values, and the fix).
+    The layout, which the host's devices may change, is ``check_layout``'s."""
     for field, want, got in [("rank", rank, peer.rank), ("platform", self.platform, peer.platform),
-                             ("channel", self.channel, peer.channel), ("world", self.world, peer.world),
-                             ("layout (block_bytes, lamport_block_bytes, max_blocks)", self.layout, peer.layout)]:
+                             ("channel", self.channel, peer.channel), ("world", self.world, peer.world)]:
       if want != got:
         raise ChannelError(f"b12x_jax: channel {self.channel!r}: rank {rank}'s {field} is {got!r}, rank "
                            f"{self.rank}'s is {want!r}; make the Communicator the same in every process")
+    for field in dataclasses.fields(Settings):
+      want, got = getattr(self.settings, field.name), getattr(peer.settings, field.name)
+      if want != got:
+        values = sorted([(self.process, want), (peer.process, got)])
+        held = ", ".join(f"process {p} has {field.name}={v!r}" for p, v in values)
+        raise ChannelError(f"b12x_jax: channel {self.channel!r}: the processes of a group must agree on every "
+                           f"setting that changes the protocol or the path of a call, but {held}: "
+                           f"{field.metadata['fix']}")
+
+  def check_layout(self, peer: Frame, rank: int) -> None:
+    """Raises ChannelError if rank ``rank``'s memory layout differs from this rank's."""
+    if self.layout != peer.layout:
+      raise ChannelError(f"b12x_jax: channel {self.channel!r}: rank {rank}'s layout (block_bytes, "
+                         f"lamport_block_bytes, max_blocks) is {peer.layout!r}, rank {self.rank}'s is "
+                         f"{self.layout!r}; make the Communicator the same in every process")
 
 
 _sessions: collections.Counter[str] = collections.Counter()
@@ -116,7 +192,11 @@ class Session:
         failures.append((p, kind, message))
     if failures:
       error = {"ChannelError": ChannelError}.get(failures[0][1], TransportError)
-      text = "; ".join(f"process {p}: {message}" for p, _, message in failures)
+      by_message: dict[str, list[int]] = {}  # a problem every process saw (a disagreement) is told once
+      for p, _, message in failures:
+        by_message.setdefault(message, []).append(p)
+      text = "; ".join(f"process{'es' if len(ps) > 1 else ''} {', '.join(map(str, ps))}: {message}"
+                       for message, ps in by_message.items())
       raise error(f"b12x_jax: {self.what}: step {step!r} failed on {len(failures)} of {len(self.processes)} "
                   f"processes, so every process rolled it back ({text})")
 
@@ -125,7 +205,9 @@ class Session:
         f"b12x_jax: {self.what}: step {step!r} timed out after {self.timeout_s:g} s in process {self.me}: "
         f"{missing}. Preparing and releasing a channel shared between processes are collective: every "
         f"process of the group must make the same calls (Communicator.prepare / release / close, or lower "
-        f"the same program); raise Communicator(setup_timeout_s=...) if a process is only slow.")
+        f"the same program with the same Communicator settings: a process with policy 'psum', or a window "
+        f"its call falls outside of, prepares nothing); raise Communicator(setup_timeout_s=...) if a process "
+        f"is only slow.")
 
 
 # Memory a rollback or release could not prove unmapped everywhere (a peer
@@ -134,21 +216,28 @@ _kept: list = []
 
 
 def prepare_shared(platform: str, channel: str, group_key: str, processes: Sequence[int], ordinals: list[int],
-                   options, setup_timeout_s: float) -> None:
+                   options, settings: Settings, setup_timeout_s: float) -> None:
   """Prepares this process's ranks of a channel group that spans
   ``processes`` (``ordinals[r]`` is -1 for a rank another process holds),
   collectively, in three steps, each ending with a verdict:
 
     allocated  allocate, zero-fill and export the local ranks; publish one
                Frame per rank. On failure anywhere: free, raise.
-    opened     fetch every remote rank's frame, check it agrees, open it.
-               On failure anywhere: close the imports, then
+    opened     fetch every remote rank's frame and check, in this order,
+               that it agrees on the settings (ChannelError), that it is
+               on this host (TransportError: the group spans hosts, and the
+               caller may fall back, DESIGN C12) and that its layout agrees
+               (ChannelError); then open it. On failure anywhere: close the
+               imports, then
     closed     (rollback only) a barrier, so that no process frees memory a
                peer still maps; then free and raise.
 
-  On success the group is installed and handlers find it. Each step waits
-  at most ``setup_timeout_s`` for the peers; ``options`` are a
-  native ChannelOptions (``_native.channel_options``)."""
+  Every process fetches every frame and checks in the same order, so a
+  disagreement between any two processes is found by all, as the same
+  error (DESIGN C17). On success the group is installed and handlers find
+  it. Each step waits at most ``setup_timeout_s`` for the peers;
+  ``options`` are a native ChannelOptions (``_native.channel_options``),
+  ``settings`` the Communicator's that peers must share."""
   session = Session(f"prepare/{platform}/{channel}/{group_key}", processes, setup_timeout_s)
   pending, problem = _attempt(lambda: _native.share(platform, channel, ordinals, options))
   own = None
@@ -156,7 +245,7 @@ def prepare_shared(platform: str, channel: str, group_key: str, processes: Seque
     if pending is not None:
       layout = tuple(pending.layout())
       for rank, exported in pending.exports().items():
-        own = Frame(platform, channel, rank, len(ordinals), layout, exported)
+        own = Frame(platform, channel, rank, len(ordinals), session.me, host_id(), settings, layout, exported)
         session.publish(f"frame/{rank}", own.encode())
     session.verdict("allocated", problem)
   except BaseException:
@@ -165,11 +254,19 @@ def prepare_shared(platform: str, channel: str, group_key: str, processes: Seque
     raise
 
   def open_all() -> None:
-    for rank, ordinal in enumerate(ordinals):
-      if ordinal < 0:
-        peer = Frame.decode(session.fetch(f"frame/{rank}", "opened"))
-        own.check_peer(peer, rank)
-        _native.open_peer(pending, rank, peer.payload)
+    peers = {rank: Frame.decode(session.fetch(f"frame/{rank}", "opened"))
+             for rank, ordinal in enumerate(ordinals) if ordinal < 0}
+    for rank, peer in peers.items():
+      own.check_peer(peer, rank)
+    hosts = {f.process: f.host for f in (own, *peers.values())}
+    if len(set(hosts.values())) > 1:
+      where = ", ".join(f"process {p} on {h!r}" for p, h in sorted(hosts.items()))
+      raise TransportError(f"b12x_jax: channel {channel!r}: the device group spans hosts ({where}), and CUDA IPC "
+                           f"and shared memory reach only the devices of one host; use an axis whose devices "
+                           f"sit on one host for b12x")
+    for rank, peer in peers.items():
+      own.check_layout(peer, rank)
+      _native.open_peer(pending, rank, peer.payload)
 
   _, problem = _attempt(open_all)
   try:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One command for the 2-GPU machine (no network): build in place, run the
 # GPU tests and the benchmarks, print a short summary. Logs go to $OUT when set.
-#   bash scripts/gpu_check.sh [all|tests|bench|perf]
+#   bash scripts/gpu_check.sh [all|tests|bench|perf|rig]
 # (tests and bench are two halves that each fit the device's per-call limit;
-# perf is bench without the examples, the capture check and the multi-process benchmark)
+# perf is bench without the examples, the capture check and the multi-process benchmark;
+# rig runs the tests of 2, 4 and 8 processes sharing GPU 0 under MPS, for one-GPU machines)
 set -uo pipefail
 PART=${1:-all}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -27,7 +28,20 @@ fi
 echo "built in $(( $(date +%s) - start )) s"
 $PY -c 'import b12x_jax, b12x_jax._b12x as m; print("extension:", m.__file__, "cuda:", m.has_cuda())'
 
-tests_rc=0
+tests_rc=0 rig_rc=0
+if [ "$PART" = all ] || [ "$PART" = rig ]; then
+echo "== one-GPU rig: 2, 4 and 8 processes on GPU 0 under MPS (pytest -m gpu_rig)"
+start=$(date +%s)
+# The test process keeps off the GPU (JAX_PLATFORMS=cpu): only the workers hold
+# contexts, as MPS clients. SIGINT at the bound lets pytest kill its workers and stop MPS.
+JAX_PLATFORMS=cpu timeout -s INT -k 20 ${B12X_RIG_BOUND_S:=330} $PY -m pytest tests/test_gpu_rig.py -m gpu_rig -q -rA \
+  -p no:cacheprovider 2>&1 | tee "$OUT/rig_tests.log" | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|error" \
+  | sed 's/ - .*//' | tail -25
+rig_rc=${PIPESTATUS[0]}
+echo "rig: rc=$rig_rc in $(( $(date +%s) - start )) s (bound ${B12X_RIG_BOUND_S} s; log: $OUT/rig_tests.log)"
+fi
+[ "$PART" = rig ] && { echo "== summary: rig tests rc=$rig_rc"; exit $rig_rc; }
+
 if [ "$PART" = all ] || [ "$PART" = tests ]; then
 echo "== GPU tests (torture: ${B12X_TORTURE_CALLS:=4000} calls per CUDA-graphs setting)"
 export B12X_TORTURE_CALLS
@@ -100,5 +114,6 @@ $PY benchmarks/all_reduce_multiprocess.py --json "$OUT/all_reduce_multiprocess.j
   | tee "$OUT/bench_mp.log" | grep -v "^W\|^I"
 fi
 
-echo "== summary: gpu tests rc=$tests_rc"
+[ "$tests_rc" -eq 0 ] && tests_rc=$rig_rc
+echo "== summary: gpu tests rc=$tests_rc (rig rc=$rig_rc)"
 exit $tests_rc

@@ -125,6 +125,28 @@ def assert_merge_matches(got_out: np.ndarray, got_lse: np.ndarray | None, outs: 
 # -- all_reduce_residual_rmsnorm -------------------------------------------------------------------------
 
 
+def residual_rmsnorm_fn(mesh, eps: float = 1e-6):
+  """x sharded over "x" ([n, rows, hidden] -> one row block per rank), residual and weight
+  replicated; every rank's results come back stacked [n, ...] so the test sees all of them."""
+  import b12x_jax
+
+  def body(x, residual, weight):
+    normed, new_residual = b12x_jax.all_reduce_residual_rmsnorm(x[0], residual, weight, "x", eps=eps)
+    return normed[None], new_residual[None]
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P()), out_specs=(P("x"), P("x")),
+                               check_vma=False))
+
+
+def residual_rmsnorm_inputs(rng: np.random.Generator, n: int, rows: int, hidden: int, dtype_name: str):
+  """Fresh random ``(shards [n, rows, hidden], residual [rows, hidden],
+  weight [hidden])`` in the dtype, the weight near 1."""
+  dtype = DTYPES[dtype_name]
+  shards = rng.standard_normal((n, rows, hidden)).astype(np.float32).astype(dtype)
+  residual = rng.standard_normal((rows, hidden)).astype(np.float32).astype(dtype)
+  weight = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32).astype(dtype)
+  return shards, residual, weight
+
+
 def assert_residual_rmsnorm_matches(normed: np.ndarray, new_residual: np.ndarray, shards: np.ndarray,
                                     residual: np.ndarray, weight: np.ndarray, eps: float, dtype_name: str) -> None:
   """Every rank's results ([n, rows, hidden] each) against float64: the new

@@ -2,10 +2,14 @@
 ``jax.distributed`` on 127.0.0.1 (DESIGN §3, C4, C11).
 
 Run as ``python tests/mp_workers.py MODE --process-id I --num-processes N
---port P [--platform cpu|gpu]``; every process prints one line ``RESULT
-<json>`` and exits 0 when its own checks passed. The test
-(tests/test_multiprocess.py, through conftest's ``multiprocess`` fixture)
-compares the results across processes.
+--port P [--platform cpu|gpu|gpu_rig] [--communicator JSON]``; every
+process prints one line ``RESULT <json>`` and exits 0 when its own checks
+passed. The test (tests/test_multiprocess.py, through conftest's
+``multiprocess`` fixture) compares the results across processes. On
+``gpu`` process i takes GPU i; on ``gpu_rig`` every process takes GPU 0
+(the one-GPU rig, conftest's ``gpu_rig``). ``--communicator`` holds the
+Communicator keyword arguments of the modes that make their own
+(all_reduce, dcp, residual_rmsnorm, never_calls).
 """
 
 from __future__ import annotations
@@ -22,14 +26,22 @@ def _setup(args) -> None:
   if args.platform == "cpu":
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+  else:  # a test process that keeps off the GPU (JAX_PLATFORMS=cpu) still launches GPU workers
+    os.environ.pop("JAX_PLATFORMS", None)
   import jax
   if args.platform == "cpu":
     # psum across CPU processes (the comparison and the fallback path) needs
     # a cross-process collectives backend on jax 0.11.2.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  gpu = {"gpu": [args.process_id], "gpu_rig": [0]}  # the rig: every process on the GPU it sees, GPU 0
   jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes, process_id=args.process_id,
-                             local_device_ids=[args.process_id] if args.platform == "gpu" else None,
-                             initialization_timeout=60)
+                             local_device_ids=gpu.get(args.platform), initialization_timeout=60)
+
+
+def _communicator(args, **options):
+  """A Communicator with ``--communicator``'s arguments, then ``options``."""
+  import b12x_jax
+  return b12x_jax.Communicator(**{**json.loads(args.communicator), **options})
 
 
 def _mesh():
@@ -78,26 +90,35 @@ def _mapped_shm() -> list[str]:
 
 
 def all_reduce_mode(args) -> dict:
-  """all_reduce across processes, several sizes and dtypes, both slots; psum
-  on the same inputs for comparison."""
+  """all_reduce across processes, several sizes and dtypes, both slots,
+  under each Communicator of ``--configs`` in turn (a JSON list of keyword
+  arguments over ``--communicator``'s: the Lamport window, the algorithm);
+  psum on the same inputs for comparison (not on the rig). Returns the hashes of the
+  outputs and each configuration's epoch."""
   import jax
   import numpy as np
 
   import b12x_jax
   from helpers import DTYPES
   mesh = _mesh()
-  ours, psum = _reducer(mesh, b12x_jax.all_reduce), _reducer(mesh, jax.lax.psum)
   rng = np.random.default_rng(0)  # the same shards in every process
-  hashes = {}
-  with b12x_jax.channel("mp"):
-    for dtype_name, nbytes in [("float32", 16), ("bfloat16", 4096), ("float16", 65536), ("float32", 1 << 20)]:
-      elems = nbytes // np.dtype(DTYPES[dtype_name]).itemsize
-      hashes[f"{dtype_name}/{nbytes}"] = [_check(ours, mesh, rng, elems, dtype_name) for _ in range(2)]
-      assert b12x_jax.get_communicator().decisions[-1].path == "b12x"
-    _check(psum, mesh, rng, 256, "float32", roundings=jax.device_count())
-  stats = b12x_jax.get_communicator().stats("mp", jax.local_devices()[0])
-  b12x_jax.check_errors()
-  return {"hashes": hashes, "rank": stats["rank"], "world": stats["world"], "epoch": stats["epoch"]}
+  hashes, epochs = {}, []
+  for i, config in enumerate(json.loads(args.configs)):
+    comm = _communicator(args, **config)
+    b12x_jax.set_communicator(comm)  # traced again: the communicator is part of jit's cache key
+    ours = _reducer(mesh, b12x_jax.all_reduce)
+    with b12x_jax.channel("mp"):
+      for dtype_name, nbytes in [("float32", 16), ("bfloat16", 4096), ("float16", 65536), ("float32", 1 << 20)]:
+        elems = nbytes // np.dtype(DTYPES[dtype_name]).itemsize
+        hashes[f"{i}/{dtype_name}/{nbytes}"] = [_check(ours, mesh, rng, elems, dtype_name) for _ in range(2)]
+        assert comm.decisions[-1].path == "b12x", comm.decisions[-1]
+    stats = comm.stats("mp", jax.local_devices()[0])
+    epochs.append(stats["epoch"])
+    b12x_jax.check_errors()
+    comm.close()  # collective: every process runs the same configurations
+  if args.platform != "gpu_rig":  # NCCL refuses two ranks on one GPU
+    _check(_reducer(mesh, jax.lax.psum), mesh, rng, 256, "float32", roundings=jax.device_count())
+  return {"hashes": hashes, "rank": stats["rank"], "world": stats["world"], "epochs": epochs}
 
 
 def dcp_mode(args) -> dict:
@@ -112,6 +133,7 @@ def dcp_mode(args) -> dict:
 
   import b12x_jax
   from helpers import RTOL, attention_shards
+  b12x_jax.set_communicator(_communicator(args))
   mesh = _mesh()
   n, me = jax.device_count(), jax.process_index()
   fn = jax.jit(jax.shard_map(lambda o, l: b12x_jax.dcp_a2a(o, l, "x", return_lse=True), mesh=mesh,
@@ -132,6 +154,73 @@ def dcp_mode(args) -> dict:
   assert b12x_jax.get_communicator().decisions[-1].path == "b12x"
   b12x_jax.check_errors()
   return {"rank": me, "epoch": b12x_jax.get_communicator().stats("mp_dcp", jax.local_devices()[0])["epoch"]}
+
+
+def residual_rmsnorm_mode(args) -> dict:
+  """all_reduce_residual_rmsnorm across processes: each process feeds its
+  own shard of x (residual and weight are the same everywhere) and checks
+  its results against float64, for each dtype and a few shapes, on fresh
+  inputs. Returns the hashes of the results, for the test to compare."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  from helpers import DTYPES, assert_residual_rmsnorm_matches, residual_rmsnorm_fn, residual_rmsnorm_inputs
+  comm = _communicator(args)
+  b12x_jax.set_communicator(comm)
+  mesh = _mesh()
+  fn, me, eps = residual_rmsnorm_fn(mesh), jax.process_index(), 1e-6
+  rng = np.random.default_rng(6)  # the same inputs in every process
+  hashes = {}
+  with b12x_jax.channel("mp_fused"):
+    for dtype_name in DTYPES:
+      for rows, hidden in [(1, 4096), (8, 1024), (5, 2048)]:  # inside the Lamport cells of 64 blocks
+        shards, residual, weight = residual_rmsnorm_inputs(rng, jax.device_count(), rows, hidden, dtype_name)
+        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), shards[me:me + 1])
+        r, w = (jax.make_array_from_process_local_data(NamedSharding(mesh, P()), a) for a in (residual, weight))
+        normed, new_residual = (np.asarray(o.addressable_shards[0].data) for o in fn(x, r, w))
+        assert_residual_rmsnorm_matches(normed, new_residual, shards, residual, weight, eps, dtype_name)
+        fused = [d for d in comm.decisions if d.op == "all_reduce_residual_rmsnorm"][-1]
+        assert fused.path == "b12x", fused
+        hashes[f"{dtype_name}/{rows}x{hidden}"] = hashlib.sha256(normed.tobytes() + new_residual.tobytes()).hexdigest()
+  b12x_jax.check_errors()
+  return {"hashes": hashes}
+
+
+def never_calls_mode(args) -> dict:
+  """Every process prepares channel "lonely" (by lowering the same
+  all-reduce), then the last process never calls it: each other one must
+  get the timeout error naming the channel, its rank, the peer and the
+  epoch, within a bounded time, twice (the second call fails fast on the
+  poisoned channel), and on CUDA NaN outputs, never a number. The last
+  process leaves at once; its collective release at exit waits for the
+  others."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  b12x_jax.set_communicator(_communicator(args, timeout_s=args.timeout, poison_outputs=True))
+  mesh = _mesh()
+  me = jax.process_index()
+  x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), np.ones(4096, np.float32))
+  with b12x_jax.channel("lonely"):
+    call = _reducer(mesh, b12x_jax.all_reduce).lower(x).compile()  # prepares the channel, collectively
+  if me == jax.process_count() - 1:
+    return {"called": False}
+  messages, nan_outputs = [], []
+  start = time.monotonic()
+  for _ in range(2):
+    try:
+      got = np.asarray(call(x).addressable_shards[0].data)
+      nan_outputs.append(bool(np.isnan(got).all()))
+      b12x_jax.check_errors()  # CUDA: the timed-out kernel leaves NaN and this record
+    except Exception as e:  # noqa: BLE001 - CPU raises from the call (an XLA runtime error), CUDA from check_errors
+      messages.append(str(e))
+  return {"called": True, "messages": messages, "nan_outputs": nan_outputs, "seconds": time.monotonic() - start}
 
 
 def order_mode(args) -> dict:
@@ -336,9 +425,34 @@ def reprepare_mode(args) -> dict:
   return {"hashes": hashes, "epoch": comm.stats("reprepared", jax.local_devices()[0])["epoch"]}
 
 
+def settings_mode(args) -> dict:
+  """Each process makes its own Communicator (``--communicators``: a JSON
+  list of keyword arguments, one dict per process; the environment may
+  differ too) and runs all_reduce on fresh 4 KiB shards. Returns the error
+  it raised, or, after checking the values against float64, the path the
+  call took and why; and the shared memory still mapped."""
+  import jax
+  import numpy as np
+
+  import b12x_jax
+  mesh = _mesh()
+  b12x_jax.set_communicator(_communicator(args, **json.loads(args.communicators)[jax.process_index()]))
+  start = time.monotonic()
+  try:
+    with b12x_jax.channel("agreed"):
+      _check(_reducer(mesh, b12x_jax.all_reduce), mesh, np.random.default_rng(5), 1024, "float32",
+             roundings=jax.device_count())  # the psum path may round at every step
+  except b12x_jax.B12xError as e:
+    return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start,
+            "mapped": _mapped_shm()}
+  decision = b12x_jax.get_communicator().decisions[-1]
+  return {"error": None, "path": decision.path, "reason": decision.reason, "mapped": _mapped_shm()}
+
+
 MODES = {"all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
          "never_joins": never_joins_mode, "close_twice": close_twice_mode, "throwaway": throwaway_mode,
-         "exit_pending": exit_pending_mode, "killed_peer": killed_peer_mode, "reprepare": reprepare_mode}
+         "exit_pending": exit_pending_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,
+         "residual_rmsnorm": residual_rmsnorm_mode, "never_calls": never_calls_mode, "reprepare": reprepare_mode}
 
 
 def main() -> None:
@@ -347,9 +461,12 @@ def main() -> None:
   parser.add_argument("--process-id", type=int, required=True)
   parser.add_argument("--num-processes", type=int, required=True)
   parser.add_argument("--port", type=int, required=True)
-  parser.add_argument("--platform", default="cpu", choices=["cpu", "gpu"])
+  parser.add_argument("--platform", default="cpu", choices=["cpu", "gpu", "gpu_rig"])
   parser.add_argument("--setup-timeout", type=float, default=3.0)
   parser.add_argument("--timeout", type=float, default=2.0)
+  parser.add_argument("--communicator", default="{}")  # every process's Communicator arguments (JSON)
+  parser.add_argument("--communicators", default="[]")  # settings mode: one process's each, over --communicator
+  parser.add_argument("--configs", default="[{}]")  # all_reduce mode: Communicators run in turn
   args = parser.parse_args()
   sys.path.insert(0, os.path.dirname(__file__))
   _setup(args)

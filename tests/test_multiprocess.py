@@ -5,14 +5,52 @@ worker processes (tests/mp_workers.py) with a hard timeout."""
 
 from __future__ import annotations
 
+import json
 import re
+
+import pytest
+
+import b12x_jax
+from b12x_jax import rendezvous
 
 
 def test_all_reduce_across_processes_matches_float64_with_identical_bits(multiprocess):
   results = multiprocess("all_reduce")
   assert [r["rank"] for r in results] == [0, 1] and {r["world"] for r in results} == {2}
   assert results[0]["hashes"] == results[1]["hashes"]  # each process checked its values against float64
-  assert {r["epoch"] for r in results} == {8}
+  assert [r["epochs"] for r in results] == [[8], [8]]
+
+
+# The Lamport window (CUDA; the barrier protocol on CPU), then each algorithm
+# of the barrier path, outputs poisoned; and the epochs each ends at per
+# platform (4 sizes times 2 calls; a CUDA two-shot call counts two, the
+# host backend reduces in one shot whatever the algorithm).
+ALL_REDUCE_CONFIGS = [{"poison_outputs": True}] + [
+    {"lamport_bytes": 0, "algorithm": a, "poison_outputs": True} for a in ("one_shot", "two_shot", "one_shot_pull")]
+ALL_REDUCE_EPOCHS = {"cpu": [8, 8, 8, 8], "cuda": [8, 8, 16, 8]}
+
+
+def check_all_reduce_configs(results: list[dict], platform: str) -> None:
+  """all_reduce mode under ALL_REDUCE_CONFIGS: every process checked its
+  values against float64, and all hold identical bits."""
+  assert [r["rank"] for r in results] == list(range(len(results))), results
+  assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == 16
+  assert [r["epochs"] for r in results] == [ALL_REDUCE_EPOCHS[platform]] * len(results)
+
+
+def test_all_reduce_across_processes_under_each_algorithm_matches_float64(multiprocess):
+  check_all_reduce_configs(multiprocess("all_reduce", 2, "--configs", json.dumps(ALL_REDUCE_CONFIGS)), "cpu")
+
+
+def test_the_fused_op_across_processes_matches_float64_with_identical_bits(multiprocess):
+  results = multiprocess("residual_rmsnorm", 2, "--communicator", json.dumps({"poison_outputs": True}))
+  assert results[0]["hashes"] == results[1]["hashes"] and len(results[0]["hashes"]) == 9
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_process_that_prepared_but_never_calls_gives_the_others_the_timeout_error(multiprocess, n):
+  results = multiprocess("never_calls", n, "--timeout", "2")
+  check_never_calls(results, "2", "cpu")
 
 
 def test_dcp_a2a_across_processes_matches_full_attention(multiprocess):
@@ -74,3 +112,87 @@ def test_a_peer_killed_mid_run_makes_the_survivor_raise_within_the_timeout(multi
   assert re.search(r"channel 'mortal' rank 0 timed out after 2 s at epoch 4 waiting for rank 1",
                    survivor["message"]), survivor
   assert survivor["seconds"] < 2 + 5, survivor
+
+
+def _settings(multiprocess, *communicators: dict, env=None) -> list[dict]:
+  return multiprocess("settings", len(communicators), "--communicators", json.dumps(communicators), env=env,
+                      hard_timeout=60)
+
+
+@pytest.mark.parametrize("setting, values", [
+    ("algorithm", ("two_shot", "one_shot")), ("capacity_bytes", (1 << 20, 2 << 20)),
+    ("lamport_bytes", (1 << 20, 0)), ("timeout_s", (2.0, 3.0)), ("max_blocks", (8, 16)),
+    ("poison_outputs", (False, True))])
+def test_processes_that_disagree_on_a_setting_all_raise_naming_it_and_both_values(multiprocess, setting, values):
+  results = _settings(multiprocess, *({setting: v} for v in values))
+  want = rf"process 0 has {setting}={values[0]!r}, process 1 has {setting}={values[1]!r}: pass the same " \
+         rf"Communicator\({setting}=\.\.\.\) in every process"
+  for r in results:
+    assert r["error"] == "ChannelError" and re.search(want, r["message"]), r
+    assert re.search(r"step 'opened' failed on 2 of 2 processes.*processes 0, 1:", r["message"]), r
+    assert r["seconds"] < 30 and r["mapped"] == [], r  # no wait for a timeout; nothing left mapped
+
+
+def test_a_policy_set_by_the_environment_of_one_process_only_makes_both_raise(multiprocess):
+  results = _settings(multiprocess, {}, {}, env={1: {"B12X_JAX_POLICY": "strict"}})
+  for r in results:
+    assert r["error"] == "ChannelError", r
+    assert re.search(r"process 0 has policy='auto', process 1 has policy='strict': .*B12X_JAX_POLICY", r["message"]), r
+
+
+def test_a_group_spanning_hosts_takes_the_psum_path_on_every_process_with_the_reason(multiprocess):
+  hosts = {0: {"B12X_JAX_HOST_ID": "node-a"}, 1: {"B12X_JAX_HOST_ID": "node-b"}}
+  results = _settings(multiprocess, {}, {}, env=hosts)
+  for r in results:  # each process checked its values against float64
+    assert r["error"] is None and r["path"] == "psum", r
+    assert re.search(r"spans hosts \(process 0 on 'node-a', process 1 on 'node-b'\)", r["reason"]), r
+    assert r["mapped"] == [], r
+  same_host = _settings(multiprocess, {}, {}, env={0: hosts[0], 1: hosts[0]})
+  assert [r["path"] for r in same_host] == ["b12x", "b12x"], same_host
+
+
+def test_a_group_spanning_hosts_under_policy_strict_raises_on_every_process(multiprocess):
+  hosts = {0: {"B12X_JAX_HOST_ID": "node-a"}, 1: {"B12X_JAX_HOST_ID": "node-b"}}
+  for r in _settings(multiprocess, {"policy": "strict"}, {"policy": "strict"}, env=hosts):
+    assert r["error"] == "TransportError", r
+    assert re.search(r"spans hosts \(process 0 on 'node-a', process 1 on 'node-b'\).*\(policy 'strict'; "
+                     r"policy='auto' falls back to psum\)", r["message"]), r
+
+
+def test_one_process_of_three_that_disagrees_makes_all_three_raise(multiprocess):
+  for r in _settings(multiprocess, {}, {}, {"algorithm": "two_shot"}):
+    assert r["error"] == "ChannelError", r
+    assert re.search(r"process [01] has algorithm='auto', process 2 has algorithm='two_shot'", r["message"]), r
+
+
+def test_a_frame_survives_encoding_and_a_frame_of_another_version_is_refused():
+  settings = rendezvous.Settings("two_shot", "strict", 1 << 20, 4096, 16, 2.5, True)
+  frame = rendezvous.Frame("cuda", "target", 1, 4, 3, "node-a (boot)", settings, (4096, 1024, 16), b"\x00handle")
+  assert rendezvous.Frame.decode(frame.encode()) == frame
+  older = bytearray(frame.encode())
+  older[4:6] = (rendezvous.FRAME_VERSION - 1).to_bytes(2, "little")
+  with pytest.raises(b12x_jax.ChannelError, match=rf"frame version {rendezvous.FRAME_VERSION - 1}, this process "
+                                                  rf"{rendezvous.FRAME_VERSION}"):
+    rendezvous.Frame.decode(bytes(older))
+  with pytest.raises(b12x_jax.ChannelError, match="truncated or malformed"):
+    rendezvous.Frame.decode(frame.encode()[:-1])
+
+
+def check_never_calls(results: list[dict], timeout: str, platform: str) -> None:
+  """The callers of never_calls mode: both calls raised the timeout error
+  naming the channel, the caller's rank and the epoch, and the rank that
+  never came (or, on a caller that stopped because another gave up, that
+  one) within a bounded time. On CPU the calls raise; on CUDA the
+  timed-out kernel's output comes back, all NaN, before check_errors
+  raises."""
+  *callers, absent = results
+  victim = len(results) - 1
+  assert absent == {"called": False}
+  for rank, r in enumerate(callers):
+    assert len(r["messages"]) == 2, r
+    assert r["nan_outputs"] == [] if platform == "cpu" else r["nan_outputs"] and all(r["nan_outputs"]), r
+    for message in r["messages"]:
+      assert re.search(rf"channel 'lonely' rank {rank} (timed out after {timeout} s at epoch \d+ waiting for rank "
+                       rf"{victim}|stopped at epoch \d+: rank \d+ gave up)", message), r
+    assert r["seconds"] < 2 * float(timeout) + 10, r
+  assert any(f"waiting for rank {victim}" in r["messages"][0] for r in callers), callers

@@ -14,26 +14,14 @@ from jax.sharding import PartitionSpec as P
 
 import b12x_jax
 from conftest import run_worker
-from helpers import DTYPES, assert_residual_rmsnorm_matches, fresh_communicator
-
-
-def per_rank_fn(mesh, eps: float = 1e-6):
-  """x sharded over "x" ([n, rows, hidden] -> one row block per rank), residual and weight
-  replicated; every rank's results come back stacked [n, ...] so the test sees all of them."""
-  def body(x, residual, weight):
-    normed, new_residual = b12x_jax.all_reduce_residual_rmsnorm(x[0], residual, weight, "x", eps=eps)
-    return normed[None], new_residual[None]
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P()), out_specs=(P("x"), P("x")),
-                               check_vma=False))
+from helpers import (DTYPES, assert_residual_rmsnorm_matches, fresh_communicator, residual_rmsnorm_fn,
+                     residual_rmsnorm_inputs)
 
 
 def run_case(mesh, rng, rows: int, hidden: int, dtype_name: str, eps: float = 1e-6):
-  n = mesh.devices.size
-  dtype = DTYPES[dtype_name]
-  shards = rng.standard_normal((n, rows, hidden)).astype(np.float32).astype(dtype)
-  residual = rng.standard_normal((rows, hidden)).astype(np.float32).astype(dtype)
-  weight = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32).astype(dtype)
-  normed, new_residual = per_rank_fn(mesh, eps)(jax.device_put(shards, NamedSharding(mesh, P("x"))), residual, weight)
+  shards, residual, weight = residual_rmsnorm_inputs(rng, mesh.devices.size, rows, hidden, dtype_name)
+  normed, new_residual = residual_rmsnorm_fn(mesh, eps)(jax.device_put(shards, NamedSharding(mesh, P("x"))),
+                                                        residual, weight)
   assert_residual_rmsnorm_matches(np.asarray(normed), np.asarray(new_residual), shards, residual, weight, eps,
                                   dtype_name)
 
@@ -92,7 +80,7 @@ def test_one_device_axis_adds_and_normalises_locally(cpu_mesh):
   mesh = cpu_mesh(1)
   x = np.random.default_rng(1).standard_normal((1, 2, 64)).astype(np.float32)
   residual, weight = np.ones((2, 64), np.float32), np.full(64, 2.0, np.float32)
-  normed, new_residual = per_rank_fn(mesh)(jax.device_put(x, NamedSharding(mesh, P("x"))), residual, weight)
+  normed, new_residual = residual_rmsnorm_fn(mesh)(jax.device_put(x, NamedSharding(mesh, P("x"))), residual, weight)
   s = x[0].astype(np.float64) + 1
   np.testing.assert_allclose(np.asarray(new_residual)[0], s, rtol=1e-6)
   np.testing.assert_allclose(np.asarray(normed)[0], 2 * s / np.sqrt((s * s).mean(-1, keepdims=True) + 1e-6),
