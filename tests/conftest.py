@@ -60,12 +60,13 @@ def multiprocess():
   process order (asserting each exited 0 with one; the processes in
   ``killed`` must have died of SIGKILL instead, and give None). ``env``
   adds variables to the environment of single processes: {process: {name:
-  value}}."""
+  value}}; ``launcher`` is a command every worker runs under (a sanitizer)."""
   def run(mode: str, n: int = 2, *args: str, platform: str = "cpu", hard_timeout: float = 120.0,
-          killed: tuple[int, ...] = (), env: dict[int, dict[str, str]] | None = None) -> list[dict | None]:
+          killed: tuple[int, ...] = (), env: dict[int, dict[str, str]] | None = None,
+          launcher: tuple[str, ...] = ()) -> list[dict | None]:
     port = str(_free_port())
     common = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not this process's 4 emulated devices
-    procs = [subprocess.Popen([sys.executable, MP_WORKERS, mode, "--process-id", str(i), "--num-processes", str(n),
+    procs = [subprocess.Popen([*launcher, sys.executable, MP_WORKERS, mode, "--process-id", str(i), "--num-processes", str(n),
                                "--port", port, "--platform", platform, *args], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env={**common, **(env or {}).get(i, {})})
              for i in range(n)]
@@ -177,11 +178,11 @@ def gpu_rig(multiprocess, mps):
   (DESIGN C10) on one GPU's SMs. Returns the RESULTs as ``multiprocess``
   does; ``env`` adds variables to every process's environment."""
   def run(mode: str, n: int, *args: str, communicator: dict | None = None, env: dict[str, str] | None = None,
-          hard_timeout: float = 150.0) -> list[dict]:
+          hard_timeout: float = 150.0, launcher: tuple[str, ...] = ()) -> list[dict]:
     options = {"max_blocks": 64 // n, **(communicator or {})}
     every = {"CUDA_VISIBLE_DEVICES": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", **mps, **(env or {})}
     return multiprocess(mode, n, *args, "--communicator", json.dumps(options), platform="gpu_rig",
-                        hard_timeout=hard_timeout, env={i: every for i in range(n)})
+                        hard_timeout=hard_timeout, env={i: every for i in range(n)}, launcher=launcher)
   return run
 
 

@@ -169,3 +169,33 @@ def assert_residual_rmsnorm_matches(normed: np.ndarray, new_residual: np.ndarray
     first = np.ascontiguousarray(got[0]).view(np.uint8)
     for r in range(1, got.shape[0]):
       assert np.array_equal(first, np.ascontiguousarray(got[r]).view(np.uint8)), f"{name}: rank {r} differs in bits"
+
+
+def independent_reductions(calls: int):
+  """A shard_map body: ``calls`` all_reduces on one channel whose inputs do
+  not depend on each other (x: [calls, elems], one row each), a quarter
+  straight, a quarter in a scan body, a quarter in a while_loop body and a
+  quarter in the taken branch of a cond (DESIGN C15: program order inside
+  control flow too)."""
+  import jax.numpy as jnp
+
+  import b12x_jax
+  quarter = calls // 4
+
+  def reduce_each(rows):
+    return jnp.stack([b12x_jax.all_reduce(r, "x") for r in rows])
+
+  def body(x):
+    straight = reduce_each(x[:quarter])
+    scanned = jax.lax.scan(lambda c, xs: (c, reduce_each(xs)), 0, x[None, quarter:2 * quarter])[1][0]
+    looped = jax.lax.fori_loop(0, 1, lambda i, v: reduce_each(v), x[2 * quarter:3 * quarter])
+    taken = jax.lax.cond(x[0, 0] > -1e9, reduce_each, lambda v: v * 0, x[3 * quarter:])
+    return jnp.concatenate([straight, scanned, looped, taken])
+
+  return body
+
+
+def integer_shards(rng: np.random.Generator, calls: int, n: int, elems: int) -> np.ndarray:
+  """[calls, n, elems] random integers as float32 (never all zero): every
+  float32 sum of them is exact, so a result is right or visibly wrong."""
+  return rng.integers(-1000, 1000, size=(calls, n, elems)).astype(np.float32)

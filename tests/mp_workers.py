@@ -411,6 +411,7 @@ def reprepare_mode(args) -> dict:
   import numpy as np
 
   import b12x_jax
+  b12x_jax.set_communicator(_communicator(args))
   mesh = _mesh()
   comm = b12x_jax.get_communicator()
   ours = _reducer(mesh, b12x_jax.all_reduce)
@@ -423,6 +424,59 @@ def reprepare_mode(args) -> dict:
       comm.prepare(mesh, "x", channels=["reprepared"])
   b12x_jax.check_errors()
   return {"hashes": hashes, "epoch": comm.stats("reprepared", jax.local_devices()[0])["epoch"]}
+
+
+def independent_mode(args) -> dict:
+  """32 all_reduces on one channel whose inputs do not depend on each other
+  (helpers.independent_reductions), 20 runs on fresh integer inputs, across
+  processes (DESIGN C15). Returns how many of this process's results were
+  wrong."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  from helpers import independent_reductions, integer_shards
+  b12x_jax.set_communicator(_communicator(args))
+  mesh, me, calls, elems = _mesh(), jax.process_index(), 32, 4096
+  fn = jax.jit(jax.shard_map(independent_reductions(calls), mesh=mesh, in_specs=P(None, "x"), out_specs=P(None, "x"),
+                             check_vma=False))
+  rng = np.random.default_rng(6)  # the same shards in every process
+  wrong, runs = 0, 20
+  with b12x_jax.channel("independent"):
+    for _ in range(runs):
+      shards = integer_shards(rng, calls, jax.device_count(), elems)
+      x = jax.make_array_from_process_local_data(NamedSharding(mesh, P(None, "x")), shards[:, me])
+      got = np.asarray(fn(x).addressable_shards[0].data)
+      wrong += int((got != shards.sum(axis=1, dtype=np.float64)).any(axis=1).sum())
+  b12x_jax.check_errors()
+  return {"wrong": wrong, "results": runs * calls}
+
+
+def late_start_mode(args) -> dict:
+  """Process 1 reaches its first execution on a freshly prepared channel
+  ``--late`` seconds after the others (compilation, weight loading), far
+  beyond timeout_s: the first call waits up to setup_timeout_s instead
+  (DESIGN C8), so every result is right; later calls are bounded by
+  timeout_s again."""
+  import jax
+  import numpy as np
+
+  import b12x_jax
+  b12x_jax.set_communicator(_communicator(args, timeout_s=args.timeout, setup_timeout_s=args.setup_timeout))
+  mesh = _mesh()
+  comm = b12x_jax.get_communicator()
+  comm.prepare(mesh, "x", channels=["late"])
+  ours = _reducer(mesh, b12x_jax.all_reduce)
+  rng = np.random.default_rng(8)
+  if jax.process_index() == 1:
+    time.sleep(args.late)
+  start = time.monotonic()
+  with b12x_jax.channel("late"):
+    hashes = [_check(ours, mesh, rng, elems, "float32") for elems in (1024, 1 << 19) for _ in range(2)]
+  b12x_jax.check_errors()
+  return {"hashes": hashes, "seconds": time.monotonic() - start}
 
 
 def settings_mode(args) -> dict:
@@ -452,7 +506,8 @@ def settings_mode(args) -> dict:
 MODES = {"all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
          "never_joins": never_joins_mode, "close_twice": close_twice_mode, "throwaway": throwaway_mode,
          "exit_pending": exit_pending_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,
-         "residual_rmsnorm": residual_rmsnorm_mode, "never_calls": never_calls_mode, "reprepare": reprepare_mode}
+         "residual_rmsnorm": residual_rmsnorm_mode, "never_calls": never_calls_mode, "reprepare": reprepare_mode,
+         "independent": independent_mode, "late_start": late_start_mode}
 
 
 def main() -> None:
@@ -464,6 +519,7 @@ def main() -> None:
   parser.add_argument("--platform", default="cpu", choices=["cpu", "gpu", "gpu_rig"])
   parser.add_argument("--setup-timeout", type=float, default=3.0)
   parser.add_argument("--timeout", type=float, default=2.0)
+  parser.add_argument("--late", type=float, default=15.0)
   parser.add_argument("--communicator", default="{}")  # every process's Communicator arguments (JSON)
   parser.add_argument("--communicators", default="[]")  # settings mode: one process's each, over --communicator
   parser.add_argument("--configs", default="[{}]")  # all_reduce mode: Communicators run in turn

@@ -9,6 +9,7 @@ without a GPU, a CUDA build or MPS."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -43,3 +44,27 @@ def test_the_fused_op_matches_float64_with_identical_bits(gpu_rig, n):
 @pytest.mark.parametrize("n", WORLDS)
 def test_a_rank_that_never_calls_gives_the_others_the_timeout_error_and_nan(gpu_rig, n):
   check_never_calls(gpu_rig("never_calls", n, "--timeout", "2"), "2", "cuda")
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_independent_calls_on_one_channel_run_in_program_order(gpu_rig, n):
+  for r in gpu_rig("independent", n, hard_timeout=240):
+    assert r == {"wrong": 0, "results": 20 * 32}, r
+
+
+def test_a_process_that_reaches_its_first_call_15_s_late_is_waited_for(gpu_rig):
+  results = gpu_rig("late_start", 2, "--timeout", "2", "--setup-timeout", "40", "--late", "15", hard_timeout=180)
+  assert results[0]["hashes"] == results[1]["hashes"] and results[0]["seconds"] > 10, results
+
+
+SANITIZER = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+
+
+@pytest.mark.skipif(not shutil.which(SANITIZER), reason=f"compute-sanitizer not found ({SANITIZER})")
+@pytest.mark.parametrize("graphs", ["on", "off"])
+def test_cached_executables_across_release_and_prepare_touch_no_freed_memory(gpu_rig, graphs):
+  # memcheck does not run under MPS: the two processes time-slice GPU 0 (slow, still right).
+  env = {"CUDA_MPS_PIPE_DIRECTORY": "/tmp/b12x-no-mps", **(GRAPHS_OFF if graphs == "off" else {})}
+  launcher = (SANITIZER, "--tool", "memcheck", "--error-exitcode", "97", "--print-limit", "20")
+  results = gpu_rig("reprepare", 2, env=env, launcher=launcher, hard_timeout=400)
+  assert results[0]["hashes"] == results[1]["hashes"] and len(results[0]["hashes"]) == 12, results

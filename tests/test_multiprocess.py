@@ -196,3 +196,16 @@ def check_never_calls(results: list[dict], timeout: str, platform: str) -> None:
                        rf"{victim}|stopped at epoch \d+: rank \d+ gave up)", message), r
     assert r["seconds"] < 2 * float(timeout) + 10, r
   assert any(f"waiting for rank {victim}" in r["messages"][0] for r in callers), callers
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_independent_calls_on_one_channel_run_in_program_order_across_processes(multiprocess, n):
+  for r in multiprocess("independent", n, hard_timeout=240):
+    assert r == {"wrong": 0, "results": 20 * 32}, r
+
+
+def test_a_process_that_reaches_its_first_call_15_s_late_is_waited_for(multiprocess):
+  results = multiprocess("late_start", 2, "--timeout", "2", "--setup-timeout", "40", "--late", "15",
+                         hard_timeout=180)
+  assert results[0]["hashes"] == results[1]["hashes"], results
+  assert results[0]["seconds"] > 10, results  # process 0 really waited on its first call

@@ -353,44 +353,30 @@ def close_pending_mode(args) -> dict:
 
 def order_mode(args) -> dict:
   """``calls`` all_reduces on one channel whose inputs do not depend on each
-  other, in one jitted shard_map over ``devices`` ranks, run ``runs`` times
-  on fresh inputs: a quarter straight, a quarter in a scan body, a quarter
-  in a while_loop body, a quarter in the taken branch of a cond. Inputs are
-  random integers, so every sum is exact in float32 and a call paired with
-  another call's data (DESIGN C15) can only show up as a wrong value.
+  other (helpers.independent_reductions), in one jitted shard_map over
+  ``devices`` ranks, run ``runs`` times on fresh integer inputs: a call
+  paired with another call's data (DESIGN C15) shows up as a wrong value.
   Returns how many results were wrong."""
   import jax
-  import jax.numpy as jnp
   import numpy as np
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   import b12x_jax
-  n, quarter = args.devices, args.calls // 4
+  sys.path.insert(0, os.path.dirname(__file__))
+  from helpers import independent_reductions, integer_shards
+  n = args.devices
   mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
-
-  def reduce_each(xs):
-    return [b12x_jax.all_reduce(x, "x") for x in xs]
-
-  def body(x):  # x: [calls, elems], one row per call
-    rows = list(x)
-    straight = reduce_each(rows[:quarter])
-    scanned = jax.lax.scan(lambda c, xs: (c, jnp.stack(reduce_each(list(xs)))), 0, x[None, quarter:2 * quarter])[1][0]
-    looped = jax.lax.fori_loop(0, 1, lambda i, v: jnp.stack(reduce_each(list(v))), x[2 * quarter:3 * quarter])
-    taken = jax.lax.cond(x[0, 0] > -1e9, lambda v: jnp.stack(reduce_each(list(v))), lambda v: v * 0,
-                         x[3 * quarter:])
-    return jnp.concatenate([jnp.stack(straight), scanned, looped, taken])
-
-  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(None, "x"), out_specs=P(None, "x"), check_vma=False))
+  fn = jax.jit(jax.shard_map(independent_reductions(args.calls), mesh=mesh, in_specs=P(None, "x"),
+                             out_specs=P(None, "x"), check_vma=False))
   rng = np.random.default_rng(args.seed)
   wrong = 0
   with b12x_jax.channel("ordered"):
     for _ in range(args.runs):
-      shards = rng.integers(-1000, 1000, size=(args.calls, n, args.elems)).astype(np.float32)
+      shards = integer_shards(rng, args.calls, n, args.elems)
       x = jax.device_put(shards.reshape(args.calls, -1), NamedSharding(mesh, P(None, "x")))
       got = np.asarray(fn(x)).reshape(args.calls, n, args.elems)
-      want = shards.astype(np.float64).sum(axis=1)
-      wrong += int(sum(not np.array_equal(got[c, r], want[c]) for c in range(args.calls) for r in range(n)))
+      wrong += int((got != shards.sum(axis=1, dtype=np.float64)[:, None]).any(axis=2).sum())
   return {"wrong": wrong, "results": args.runs * args.calls * n}
 
 
