@@ -298,6 +298,16 @@ class Communicator:
     debugging; on CUDA it copies from the device."""
     return _native.stats(_compat.platform_of([device]), channel, _compat.device_ordinal(device))
 
+  def _start_counters(self, channel: str, calls: int) -> None:
+    """Test only: the prepared ``channel`` starts as if ``calls`` calls had
+    run (uint32, e.g. just below 2**32 to cross the wrap: docs/DESIGN.md,
+    "Wrap"). Call it right after preparation, before any call on the
+    channel, on every process of the group: the ranks' counters must agree."""
+    with self._lock:
+      for platform, name in self._groups:
+        if name == channel:
+          _native.start_counters(platform, channel, calls)
+
   def check_errors(self) -> None:
     """Raises CollectiveTimeoutError if any wait of this process timed out,
     also one replayed from a CUDA graph (no handler ran to report it)."""

@@ -56,6 +56,11 @@ struct DcpCell {
 struct DcpPlan {
   int grid;       // 0: the rows do not fit the channel's staging
   int per_block;
+
+  B12X_HD CallTag tag(const DcpShape& s) const {
+    return CallTag{static_cast<uint32_t>(Op::kDcpA2a), 0, static_cast<uint32_t>(static_cast<size_t>(s.batch) * s.heads * s.row_packs),
+                   static_cast<uint32_t>(grid)};
+  }
 };
 
 // The plan with `want_grid` blocks, clamped to the rows and to the

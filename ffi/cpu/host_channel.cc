@@ -5,6 +5,7 @@
 #include <new>
 #include <stdexcept>
 
+#include "../lamport.h"
 #include "../protocol.h"
 #include "host_memory.h"
 #include "progress.h"
@@ -12,13 +13,15 @@
 namespace b12x {
 namespace {
 
-void* zeroed(size_t bytes) {
+void* filled(size_t bytes, int fill) {
   const size_t rounded = (bytes + 127) / 128 * 128;
   void* p = std::aligned_alloc(128, rounded);
   if (p == nullptr) throw std::bad_alloc();
-  std::memset(p, 0, rounded);
+  std::memset(p, fill, rounded);
   return p;
 }
+
+void* zeroed(size_t bytes) { return filled(bytes, 0); }
 
 class HostGroup final : public ChannelGroup {
  public:
@@ -31,6 +34,10 @@ class HostGroup final : public ChannelGroup {
       view.staging[r] = static_cast<char*>(zeroed(view.layout.total_bytes()));
       allocations_.push_back(view.signals[r]);
       allocations_.push_back(view.staging[r]);
+      if (view.lamport_layout.lamport_region_bytes() > 0) {
+        view.lamport[r] = static_cast<char*>(filled(view.lamport_layout.lamport_region_bytes(), kLamportEmptyByte));
+        allocations_.push_back(view.lamport[r]);
+      }
       host_errors_.push_back(static_cast<ErrorRecord*>(zeroed(sizeof(ErrorRecord))));
       allocations_.push_back(host_errors_.back());
     }
@@ -48,6 +55,7 @@ class HostGroup final : public ChannelGroup {
   uint32_t read_calls(int rank) const override { return read_host_calls(views_[rank]); }
   bool read_poisoned(int rank) const override { return read_host_poisoned(views_[rank]); }
   bool wait_idle() const override { return wait_host_calls(this, host_idle_bound_s(options_)); }
+  void start_counters(uint32_t calls) const override { start_host_counters(*this, calls); }
 
  private:
   std::vector<void*> allocations_;
@@ -55,13 +63,20 @@ class HostGroup final : public ChannelGroup {
 
 }  // namespace
 
-ChannelView host_base_view(ChannelOptions options, int world) {
-  options.lamport_bytes = 0;
-  return base_view(options, world, 1);
-}
+ChannelView host_base_view(const ChannelOptions& options, int world) { return base_view(options, world, 1); }
 
 uint32_t read_host_calls(const ChannelView& v) {
-  return HostMem::load_relaxed(&v.signals[v.rank]->counter[0][epoch_peer(v.rank)]);
+  const Signal* own = v.signals[v.rank];
+  return HostMem::load_relaxed(&own->counter[0][epoch_peer(v.rank)]) + HostMem::load_relaxed(&own->lamport_calls[0]);
+}
+
+void start_host_counters(const ChannelGroup& group, uint32_t calls) {
+  if (!wait_host_calls(&group, host_idle_bound_s(group.options()))) {
+    throw std::runtime_error("b12x_jax: start_counters on channel '" + group.channel() + "' with calls still queued");
+  }
+  for (int r = 0; r < group.world(); ++r) {
+    if (group.is_local(r)) start_signal_counters(*group.view(r).signals[r], calls);
+  }
 }
 
 bool read_host_poisoned(const ChannelView& v) { return HostMem::load_relaxed(&v.signals[v.rank]->poisoned) != 0; }
