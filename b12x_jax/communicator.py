@@ -81,9 +81,10 @@ class Communicator:
       "auto": ``B12X_JAX_POLICY=psum`` switches a deployment to psum without
       a code change (it applies to functions traced afterwards).
     max_blocks: largest CUDA grid of one call; None takes min(64, SM count).
-    lamport_bytes: CUDA payloads up to this size take the flagless Lamport
+    lamport_bytes: payloads up to this size take the flagless Lamport
       exchange (no barrier; three more buffers of this size per peer), larger
-      ones the staged barrier protocol. 0 turns the Lamport path off.
+      ones the staged barrier protocol, on CUDA and CPU alike. 0 turns the
+      Lamport path off.
     poison_outputs: debug switch: every output is filled with NaN before the
       kernel writes it, so an element a kernel misses shows up. Costs a memset.
     setup_timeout_s: bound on each collective step of preparing or releasing
@@ -293,8 +294,8 @@ class Communicator:
   def stats(self, channel: str, device) -> dict:
     """Read-only state of ``device``'s rank on ``channel``: rank, world,
     epoch (calls completed; a two-shot all-reduce counts two), poisoned,
-    capacity_bytes, lamport_bytes (0 on
-    CPU and where the Lamport path is off). For tests and
+    capacity_bytes, lamport_bytes (0 where the Lamport path is off). The
+    epoch counts barriers and Lamport calls together. For tests and
     debugging; on CUDA it copies from the device."""
     return _native.stats(_compat.platform_of([device]), channel, _compat.device_ordinal(device))
 

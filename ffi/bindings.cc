@@ -211,9 +211,10 @@ NB_MODULE(_b12x, m) {
      "Read-only state of one rank of a channel, for tests and debugging.");
 
   m.def("start_counters", [](const std::string& platform, const std::string& channel, uint32_t calls) {
+    const Platform on = parse_platform(platform);
     size_t started = 0;
     for (const ChannelGroup* group : Registry::get().groups()) {
-      if (group->platform() != parse_platform(platform) || group->channel() != channel) continue;
+      if (group->platform() != on || group->channel() != channel) continue;
       group->start_counters(calls);
       ++started;
     }

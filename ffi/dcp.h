@@ -57,9 +57,10 @@ struct DcpPlan {
   int grid;       // 0: the rows do not fit the channel's staging
   int per_block;
 
+  // The call's tag (channel.h): the input [B, H, D] in packs.
   B12X_HD CallTag tag(const DcpShape& s) const {
-    return CallTag{static_cast<uint32_t>(Op::kDcpA2a), 0, static_cast<uint32_t>(static_cast<size_t>(s.batch) * s.heads * s.row_packs),
-                   static_cast<uint32_t>(grid)};
+    const size_t packs = static_cast<size_t>(s.batch) * s.heads * s.row_packs;
+    return CallTag{static_cast<uint32_t>(Op::kDcpA2a), 0, static_cast<uint32_t>(packs), static_cast<uint32_t>(grid)};
   }
 };
 

@@ -135,8 +135,8 @@ std::string timeout_message(const ChannelGroup& group, int rank) {
   if (record.kind == kFailureMismatch) {
     std::snprintf(text, sizeof(text),
                   "b12x_jax: channel '%s' rank %d expected %s at epoch %u but rank %d was at %s: the ranks run "
-                  "different calls on one channel (their programs differ, or calls were dispatched in another "
-                  "order: DESIGN C13). No data was mixed; the channel is poisoned: release it "
+                  "different calls on one channel (their programs differ, or two threads dispatched calls in "
+                  "different orders: keep one dispatching thread per device group). No data was mixed; the channel is poisoned: release it "
                   "(Communicator.release) and prepare it again.",
                   group.channel().c_str(), record.rank, describe(record.expected).c_str(), record.epoch, record.peer,
                   describe(record.seen).c_str());

@@ -61,6 +61,39 @@ def assert_sum_matches(got_per_rank: np.ndarray, shards: np.ndarray, dtype_name:
     assert np.array_equal(first, np.ascontiguousarray(got).view(np.uint8)), f"rank {r} differs from rank 0 in bits"
 
 
+# -- all_reduce: every protocol ----------------------------------------------------------------------
+
+# Payloads around a Lamport window of ALGORITHM_LAMPORT_BYTES: inside it (the Lamport exchange), and
+# above it (the barrier algorithm asked for), with shards of two-shot that do not divide evenly.
+ALGORITHM_LAMPORT_BYTES = 4096
+ALGORITHM_SIZES = (16, 1024, 4096, 4096 + 16, 3 * 16 * 1024 + 48)
+
+
+def check_every_protocol(mesh, algorithm: str, seed: int) -> int:
+  """all_reduce on ``mesh`` (axis "x") with ``algorithm`` above the Lamport
+  window, for every size of ALGORITHM_SIZES and dtype, twice each on fresh
+  inputs, against float64, with poisoned outputs, on a fresh Communicator
+  (closed after). Returns the calls checked."""
+  import b12x_jax
+  from jax.sharding import PartitionSpec as P
+
+  n = mesh.devices.size
+  rng = np.random.default_rng(seed)
+  fn = jax.jit(jax.shard_map(lambda x: b12x_jax.all_reduce(x, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  checked = 0
+  with fresh_communicator(poison_outputs=True, algorithm=algorithm, lamport_bytes=ALGORITHM_LAMPORT_BYTES) as comm:
+    with b12x_jax.channel("protocols"):
+      for nbytes in ALGORITHM_SIZES:
+        for dtype_name, dtype in DTYPES.items():
+          for _ in range(2):  # both slots, or two Lamport buffers
+            shards = random_shards(rng, n, nbytes // np.dtype(dtype).itemsize, dtype)
+            got = np.asarray(fn(put_sharded(mesh, shards))).reshape(shards.shape)
+            assert comm.decisions[-1].path == "b12x", comm.decisions[-1]
+            assert_sum_matches(got, shards, dtype_name)
+            checked += 1
+  return checked
+
+
 # -- DCP: partial attention over KV shards, and the full attention it must merge to ---------------------
 
 

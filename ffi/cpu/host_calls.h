@@ -4,11 +4,10 @@
 // them and supply the pushes and the reduction.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <utility>
-#include <vector>
 
 #include "../lamport.h"
 #include "../protocol.h"
@@ -77,8 +76,7 @@ class BarrierCall : public HostCall {
 class LamportHostCall : public HostCall {
  public:
   LamportHostCall(RankHandle handle, xla::ffi::Promise promise, const CallTag& tag, const Pack* in, size_t n)
-      : HostCall(handle, std::move(promise)), tag_(tag), in_(in), n_(n), landed_(kMaxRanks, 0),
-        header_ok_(kMaxRanks, false) {}
+      : HostCall(handle, std::move(promise)), tag_(tag), in_(in), n_(n) {}
 
   void start(const ChannelView& v, int /*phase*/) override {
     call_ = lamport_begin<HostMem>(v, 0, tag_);
@@ -130,8 +128,8 @@ class LamportHostCall : public HostCall {
   const Pack* in_;
   size_t n_;
   LamportCall call_{};
-  std::vector<size_t> landed_;   // per source: packs seen arrived, from the start
-  std::vector<bool> header_ok_;  // per source: its tag matched
+  std::array<size_t, kMaxRanks> landed_{};   // per source: packs seen arrived, from the start
+  std::array<bool, kMaxRanks> header_ok_{};  // per source: its tag matched
 };
 
 }  // namespace b12x
