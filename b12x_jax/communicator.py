@@ -303,7 +303,9 @@ class Communicator:
     """Test only: the prepared ``channel`` starts as if ``calls`` calls had
     run (uint32, e.g. just below 2**32 to cross the wrap: docs/DESIGN.md,
     "Wrap"). Call it right after preparation, before any call on the
-    channel, on every process of the group: the ranks' counters must agree."""
+    channel, on every process of the group, and where the group spans
+    processes meet them all at a barrier before the first call (peers write
+    into the signal words it sets): the ranks' counters must agree."""
     with self._lock:
       for platform, name in self._groups:
         if name == channel:

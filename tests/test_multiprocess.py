@@ -15,6 +15,13 @@ def test_all_reduce_across_processes_matches_float64_with_identical_bits(multipr
   assert {r["epoch"] for r in results} == {8}
 
 
+def test_counters_wrap_across_processes_with_the_same_results(multiprocess):
+  results = multiprocess("wrap")
+  assert results[0]["hashes"] == results[1]["hashes"]  # each process checked its values against float64
+  # Barrier and Lamport counters both started at 2**32 - 5 and ran 12 calls each.
+  assert {r["epoch"] for r in results} == {(2 * (2**32 - 5) + 24) % 2**32}
+
+
 def test_dcp_a2a_across_processes_matches_full_attention(multiprocess):
   results = multiprocess("dcp")
   assert [r["rank"] for r in results] == [0, 1] and {r["epoch"] for r in results} == {2}
