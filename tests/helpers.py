@@ -94,6 +94,18 @@ def check_every_protocol(mesh, algorithm: str, seed: int) -> int:
   return checked
 
 
+def assert_names_both_calls(messages: list[str], how: str) -> None:
+  """The call-tag error (docs/DESIGN.md) of tests/workers.py's mismatch
+  mode, from both ranks: rank 0 at an all_reduce of 64 floats, rank 1 at one
+  of 128, both by protocol ``how`` ("lamport", "one_shot", ...)."""
+  import re
+  calls = {0: f"all_reduce of 256 bytes \\({how}, grid 1\\)", 1: f"all_reduce of 512 bytes \\({how}, grid 1\\)"}
+  for rank, peer in ((0, 1), (1, 0)):
+    pattern = (f"channel 'mismatch' rank {rank} expected {calls[rank]} at epoch 1 but rank {peer} was at "
+               f"{calls[peer]}: the ranks run different calls on one channel")
+    assert any(re.search(pattern, m) for m in messages), (pattern, messages)
+
+
 # -- DCP: partial attention over KV shards, and the full attention it must merge to ---------------------
 
 

@@ -253,8 +253,8 @@ def mismatch_mode(args) -> dict:
                                                   algorithm=args.algorithm, poison_outputs=True))
   mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
 
-  def small(v):
-    return jnp.concatenate([b12x_jax.all_reduce(v[:64], "x"), jnp.zeros(64, v.dtype)])
+  def small(v):  # padded with NaN: a finite element can only be a (wrong) sum
+    return jnp.concatenate([b12x_jax.all_reduce(v[:64], "x"), jnp.full(64, jnp.nan, v.dtype)])
 
   def body(x):
     return jax.lax.cond(jax.lax.axis_index("x") == 0, small, lambda v: b12x_jax.all_reduce(v, "x"), x)
