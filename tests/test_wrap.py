@@ -23,6 +23,16 @@ def test_every_path_is_right_across_the_counter_wrap(cpu_mesh, n, algorithm):
   assert result["epoch"] < START  # mod 2**32: past the wrap
 
 
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+def test_epoch_zero_right_after_the_wrap_waits_for_its_peers(cpu_mesh, algorithm):
+  # From 2**32 - 1 the first barrier is epoch 0: its parity-0 flag must not read as an arrival; the hook
+  # leaves 2**32 - 2 there, as a real run would (docs/DESIGN.md, "Wrap"), and a flag left at 0 would be
+  # caught by the call tag (a tag nobody wrote never matches).
+  with fresh_communicator(**communicator_options(algorithm)) as comm:
+    result = run_across_wrap(comm, cpu_mesh(2), "wrap-zero", 4, seed=3, start=2**32 - 1)
+  assert result["epoch"] == expected_epoch(algorithm, 4, start=2**32 - 1), result
+
+
 def test_start_counters_needs_a_prepared_channel():
   import b12x_jax
   from b12x_jax import _native
