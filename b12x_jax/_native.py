@@ -134,5 +134,13 @@ def stats(platform: str, channel: str, ordinal: int) -> dict:
     raise ChannelError(str(e)) from None
 
 
+def start_counters(platform: str, channel: str, calls: int) -> None:
+  """Test hook (docs/DESIGN.md, "Wrap"): this process's ranks of every group
+  of ``channel`` start as if ``calls`` calls had run (counters, parity flags,
+  Lamport call count and buffer)."""
+  with _native_errors(f"starting the counters of channel {channel!r} at {calls}"):
+    _b12x.start_counters(platform, channel, calls)
+
+
 def pending_errors() -> list[str]:
   return list(_b12x.pending_errors())

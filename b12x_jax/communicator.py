@@ -81,9 +81,10 @@ class Communicator:
       "auto": ``B12X_JAX_POLICY=psum`` switches a deployment to psum without
       a code change (it applies to functions traced afterwards).
     max_blocks: largest CUDA grid of one call; None takes min(64, SM count).
-    lamport_bytes: CUDA payloads up to this size take the flagless Lamport
+    lamport_bytes: payloads up to this size take the flagless Lamport
       exchange (no barrier; three more buffers of this size per peer), larger
-      ones the staged barrier protocol. 0 turns the Lamport path off.
+      ones the staged barrier protocol, on CUDA and CPU alike. 0 turns the
+      Lamport path off.
     poison_outputs: debug switch: every output is filled with NaN before the
       kernel writes it, so an element a kernel misses shows up. Costs a memset.
     setup_timeout_s: bound on each collective step of preparing or releasing
@@ -300,10 +301,22 @@ class Communicator:
   def stats(self, channel: str, device) -> dict:
     """Read-only state of ``device``'s rank on ``channel``: rank, world,
     epoch (calls completed; a two-shot all-reduce counts two), poisoned,
-    capacity_bytes, lamport_bytes (0 on
-    CPU and where the Lamport path is off). For tests and
+    capacity_bytes, lamport_bytes (0 where the Lamport path is off). The
+    epoch counts barriers and Lamport calls together. For tests and
     debugging; on CUDA it copies from the device."""
     return _native.stats(_compat.platform_of([device]), channel, _compat.device_ordinal(device))
+
+  def _start_counters(self, channel: str, calls: int) -> None:
+    """Test only: the prepared ``channel`` starts as if ``calls`` calls had
+    run (uint32, e.g. just below 2**32 to cross the wrap: docs/DESIGN.md,
+    "Wrap"). Call it right after preparation, before any call on the
+    channel, on every process of the group, and where the group spans
+    processes meet them all at a barrier before the first call (peers write
+    into the signal words it sets): the ranks' counters must agree."""
+    with self._lock:
+      for platform, name in self._groups:
+        if name == channel:
+          _native.start_counters(platform, channel, calls)
 
   def check_errors(self) -> None:
     """Raises CollectiveTimeoutError if any wait of this process timed out,

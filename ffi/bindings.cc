@@ -199,6 +199,19 @@ NB_MODULE(_b12x, m) {
   }, nb::arg("platform"), nb::arg("channel"), nb::arg("ordinal"),
      "Read-only state of one rank of a channel, for tests and debugging.");
 
+  m.def("start_counters", [](const std::string& platform, const std::string& channel, uint32_t calls) {
+    const Platform on = parse_platform(platform);
+    size_t started = 0;
+    for (const ChannelGroup* group : Registry::get().groups()) {
+      if (group->platform() != on || group->channel() != channel) continue;
+      group->start_counters(calls);
+      ++started;
+    }
+    if (started == 0) throw std::invalid_argument(unprepared_message("start_counters", channel, -1));
+  }, nb::arg("platform"), nb::arg("channel"), nb::arg("calls"),
+     "Test hook (docs/DESIGN.md, Wrap): every group of the channel on the platform starts as if `calls` calls "
+     "had run. Only right after preparation, before any call on the channel, on every process of the group.");
+
   m.def("pending_errors", [] {
     std::vector<std::string> out;
     for (const ChannelGroup* group : Registry::get().groups()) {

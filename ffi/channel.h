@@ -12,8 +12,10 @@
 
 #if defined(__CUDACC__)
 #define B12X_HD __host__ __device__ __forceinline__
+#define B12X_UNROLL _Pragma("unroll")
 #else
 #define B12X_HD inline
+#define B12X_UNROLL
 #endif
 
 namespace b12x {
@@ -27,13 +29,32 @@ inline constexpr int kMaxBlocks = 64;
 // Staging and payload granularity: one 16-byte vector per thread per step.
 inline constexpr size_t kPackBytes = 16;
 // Slots of the barrier protocol's staging (protocol.h) and buffers of the
-// Lamport exchange (cuda/lamport.cuh): each argues its own reuse.
+// Lamport exchange (lamport.h): each argues its own reuse.
 inline constexpr int kStagingSlots = 2;
 inline constexpr int kLamportBuffers = 3;
 
 // Signal region of one rank. Block b of a call synchronises with block b of
 // every peer through these words only, so blocks never wait on each other
 // inside a rank.
+// What one call is, announced with it and checked by every peer (DESIGN.md,
+// "The call tag"): two ranks that reach different calls on one channel stop
+// with an error naming both instead of mixing their data. Every field is
+// small (never the Lamport empty word 0xFFFFFFFF, lamport.h), and `op` is
+// never 0, so a tag nobody wrote never matches.
+struct alignas(16) CallTag {
+  uint32_t op;         // Op
+  uint32_t algorithm;  // Algorithm (all_reduce.h); 0 for ops with one protocol
+  uint32_t packs;      // payload of the whole call, in 16-byte packs
+  uint32_t grid;       // blocks of the call (1 on the host backend)
+};
+static_assert(sizeof(CallTag) == kPackBytes);
+
+B12X_HD bool operator==(const CallTag& a, const CallTag& b) {
+  return a.op == b.op && a.algorithm == b.algorithm && a.packs == b.packs && a.grid == b.grid;
+}
+
+enum class Op : uint32_t { kAllReduce = 1, kResidualRmsnorm = 2, kDcpA2a = 3 };
+
 struct alignas(128) Signal {
   // counter[b][p]: barriers at which block b of this rank met peer p (one
   // per call, two for a two-shot all-reduce). It is the channel's epoch as
@@ -44,10 +65,17 @@ struct alignas(128) Signal {
   // this rank. Two parity words let a peer that is one call ahead announce
   // call k+1 while this rank is still waiting for the announcement of call k.
   uint32_t flag[2][kMaxBlocks][kMaxRanks];
-  // lamport_calls[b]: small-payload calls block b of this rank ran (selects
-  // the Lamport buffer, calls % 3); lamport_packs[b]: packs it exchanged in
-  // the last one (what the next call clears). Written only by this rank.
+  // tag[parity][b][p]: the call peer p announced with that flag, written
+  // before it (the flag's release orders it).
+  CallTag tag[2][kMaxBlocks][kMaxRanks];
+  // lamport_calls[b]: small-payload calls block b of this rank ran (for
+  // stats and errors only: it wraps); lamport_buffer[b]: the Lamport buffer
+  // its next call uses, cycling 0, 1, 2 by itself (a count mod 3 would not
+  // cycle across the uint32 wrap: 2^32 = 1 mod 3, DESIGN.md "Wrap");
+  // lamport_packs[b]: packs it exchanged in the last one (what the next call
+  // refills). Written only by this rank.
   uint32_t lamport_calls[kMaxBlocks];
+  uint32_t lamport_buffer[kMaxBlocks];
   uint32_t lamport_packs[kMaxBlocks];
   // Non-zero once a wait on this rank timed out: later calls on the channel
   // exit at once (DESIGN C8, the channel is poisoned until released).
@@ -62,20 +90,27 @@ static_assert(sizeof(Signal::counter) == kMaxBlocks * kMaxRanks * sizeof(uint32_
 // when the call was replayed from a CUDA graph and no handler ran.
 struct ErrorRecord {
   uint32_t state;   // 0: none, 1: being written, 2: complete
+  uint32_t kind;    // kFailureTimeout or kFailureMismatch
   int32_t rank;     // the rank that waited
-  int32_t peer;     // the rank that did not arrive
+  int32_t peer;     // the rank that did not arrive, or arrived at another call
   uint32_t epoch;   // the counter value it waited for
-  uint32_t peer_gave_up;  // 1: the peer stopped first (its own wait timed out)
+  uint32_t peer_gave_up;  // 1: the peer stopped first (its own wait failed)
+  CallTag expected;  // kFailureMismatch: this rank's call
+  CallTag seen;      // kFailureMismatch: the call the peer announced
 };
 inline constexpr uint32_t kErrorNone = 0;
 inline constexpr uint32_t kErrorWriting = 1;
 inline constexpr uint32_t kErrorComplete = 2;
+inline constexpr uint32_t kFailureTimeout = 0;
+inline constexpr uint32_t kFailureMismatch = 1;
 
 // Staging layout of one rank: [slot][source rank][block][block_bytes], with
 // two slots for the barrier protocol (protocol.h) and three buffers for the
-// Lamport exchange (cuda/lamport.cuh). Block b of source q only ever writes
-// its own cell, and block b of the owner only reads the cells of block b, so
-// the reuse arguments hold block by block whatever grid a call uses.
+// Lamport exchange (lamport.h). Block b of source q only ever writes its own
+// cell, and block b of the owner only reads the cells of block b, so the
+// reuse arguments hold block by block whatever grid a call uses. The Lamport
+// buffers also hold one header pack per cell (the call's tag), after all the
+// cells: `header_offset`, counted in `lamport_region_bytes()`.
 struct StagingLayout {
   size_t block_bytes;  // capacity of one (slot, source, block) cell
   int world;
@@ -86,6 +121,12 @@ struct StagingLayout {
     return ((static_cast<size_t>(slot) * world + source) * max_blocks + block) * block_bytes;
   }
   B12X_HD size_t total_bytes() const { return cell_offset(slots, 0, 0); }
+  B12X_HD size_t header_offset(int slot, int source, int block) const {
+    return total_bytes() + ((static_cast<size_t>(slot) * world + source) * max_blocks + block) * kPackBytes;
+  }
+  // Bytes of a Lamport region: the cells, then the headers (0 where there
+  // are no cells).
+  B12X_HD size_t lamport_region_bytes() const { return block_bytes == 0 ? 0 : header_offset(slots, 0, 0); }
   // Largest payload one call can stage: every block full.
   B12X_HD size_t capacity() const { return block_bytes * max_blocks; }
 };
@@ -95,7 +136,7 @@ struct StagingLayout {
 struct ChannelView {
   Signal* signals[kMaxRanks];    // signals[r]: rank r's signal region
   char* staging[kMaxRanks];      // staging[r]: rank r's staging region
-  char* lamport[kMaxRanks];      // lamport[r]: rank r's Lamport buffers (CUDA only)
+  char* lamport[kMaxRanks];      // lamport[r]: rank r's Lamport buffers and headers
   ErrorRecord* error;            // this rank's error record
   StagingLayout layout;
   StagingLayout lamport_layout;  // block_bytes 0 where there are no Lamport buffers

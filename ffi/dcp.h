@@ -56,6 +56,12 @@ struct DcpCell {
 struct DcpPlan {
   int grid;       // 0: the rows do not fit the channel's staging
   int per_block;
+
+  // The call's tag (channel.h): the input [B, H, D] in packs.
+  B12X_HD CallTag tag(const DcpShape& s) const {
+    const size_t packs = static_cast<size_t>(s.batch) * s.heads * s.row_packs;
+    return CallTag{static_cast<uint32_t>(Op::kDcpA2a), 0, static_cast<uint32_t>(packs), static_cast<uint32_t>(grid)};
+  }
 };
 
 // The plan with `want_grid` blocks, clamped to the rows and to the

@@ -1,12 +1,24 @@
-// The barrier protocol, written once for every backend (DESIGN §2).
+// The barrier protocol, written once for every backend (docs/DESIGN.md,
+// "The barrier"); the Lamport exchange is lamport.h, the all-reduce
+// algorithms on top of both all_reduce.h.
 //
 // A backend supplies a memory policy `Mem` with:
 //   load_acquire(p), load_relaxed(p), store_release(p, v), fence(),
 //   claim(p) (atomically 0 -> 1, true for the one caller that did it),
-//   now_ns(), pause().
+//   now_ns(), pause(), and for packs: load_staged(p) (a staged pack, after
+//   the barrier), load_volatile(p) (a pack a peer may be writing, each
+//   32-bit word read once), store_pack(p, x).
 // CUDA runs `arrive`/`wait` with thread t of block b serving peer t; the CPU
-// backend's progress thread runs `arrive`/`peer_arrived` for every peer in
+// backend's progress thread runs `arrive`/`check_arrival` for every peer in
 // turn (cpu/progress.h says why it cannot block XLA's threads).
+//
+// Wrap (docs/DESIGN.md, "Wrap"): epochs are uint32 and wrap. Every use is
+// right across it: the next epoch is counter + 1 (mod 2^32), the parity
+// epoch & 1 alternates across the wrap (2^32 is even), a flag is compared
+// for equality only, never ordered, and the flag a wait looks at last held
+// epoch - 2, never epoch (so a word still 0 is an arrival only of an epoch
+// 0 that nobody could have announced yet: epoch 0 follows 0xFFFFFFFF, after
+// whose wait the slot of parity 0 holds 0xFFFFFFFE).
 //
 // A call on a channel, per block b:
 //   1. stage: push this rank's part into every peer's staging cell
@@ -39,12 +51,13 @@ namespace b12x {
 // counters of all peers together, so any one will do.
 B12X_HD int epoch_peer(int rank) { return rank == 0 ? 1 : 0; }
 
-// The epoch block `block` is about to run: one past the calls it has done.
-// Every rank's block b has done the same calls (a call's grid is a function
-// of its static shape, equal on every rank), so this agrees across ranks.
+// The epoch block `block` is about to run: one past the calls it has done
+// (mod 2^32). Every rank's block b has done the same calls (a call's grid is
+// a function of its static shape, equal on every rank), so this agrees
+// across ranks.
 template <class Mem>
 B12X_HD uint32_t next_epoch(const ChannelView& v, int block) {
-  return Mem::load_relaxed(&v.signals[v.rank]->counter[block][epoch_peer(v.rank)]) + 1;
+  return Mem::load_relaxed(&v.signals[v.rank]->counter[block][epoch_peer(v.rank)]) + 1u;
 }
 
 template <class Mem>
@@ -52,81 +65,124 @@ B12X_HD bool channel_poisoned(const ChannelView& v) {
   return Mem::load_relaxed(&v.signals[v.rank]->poisoned) != 0;
 }
 
-// Tell `peer` that this rank's block `block` reached `epoch`, after all of
-// this rank's stores to the peer's staging (the fence orders them before the
-// flag, at system scope).
+// Tell `peer` that this rank's block `block` reached `epoch` of call `tag`,
+// after all of this rank's stores to the peer's staging (the fence orders
+// them, and the tag, before the flag, at system scope).
 template <class Mem>
-B12X_HD void arrive(const ChannelView& v, int block, int peer, uint32_t epoch) {
+B12X_HD void arrive(const ChannelView& v, int block, int peer, uint32_t epoch, const CallTag& tag) {
   v.signals[v.rank]->counter[block][peer] = epoch;
+  v.signals[peer]->tag[epoch & 1][block][v.rank] = tag;
   Mem::fence();
   Mem::store_release(&v.signals[peer]->flag[epoch & 1][block][v.rank], epoch);
 }
 
-// Record the first timeout of this rank and poison the channel: the claim on
-// the device-local `poisoned` word makes exactly one waiter write the record.
-// The fence orders this thread's earlier announcements before the poison; a
-// peer that sees the poison looks for its announcement once more (poll_peer)
-// before it gives up.
+// Record the first failure of this rank and poison the channel: the claim
+// on the device-local `poisoned` word makes exactly one waiter write the
+// record. The fence orders this thread's earlier announcements before the
+// poison; a peer that sees the poison looks for its announcement once more
+// (poll_peer) before it gives up.
 template <class Mem>
-B12X_HD void record_timeout(const ChannelView& v, int peer, uint32_t epoch, bool peer_gave_up) {
+B12X_HD void record_failure(const ChannelView& v, uint32_t kind, int peer, uint32_t epoch, bool peer_gave_up,
+                            const CallTag& expected = CallTag{}, const CallTag& seen = CallTag{}) {
   Mem::fence();
   if (!Mem::claim(&v.signals[v.rank]->poisoned)) return;
+  v.error->kind = kind;
   v.error->rank = v.rank;
   v.error->peer = peer;
   v.error->epoch = epoch;
   v.error->peer_gave_up = peer_gave_up ? 1u : 0u;
+  v.error->expected = expected;
+  v.error->seen = seen;
   Mem::fence();
   Mem::store_release(&v.error->state, kErrorComplete);
 }
 
-// True once `peer` announced `epoch` to `block` of this rank.
 template <class Mem>
-B12X_HD bool peer_arrived(const ChannelView& v, int block, int peer, uint32_t epoch) {
-  return Mem::load_acquire(&v.signals[v.rank]->flag[epoch & 1][block][peer]) == epoch;
+B12X_HD CallTag load_tag(const CallTag* p) {
+  const uint32_t* w = &p->op;
+  return CallTag{Mem::load_relaxed(w), Mem::load_relaxed(w + 1), Mem::load_relaxed(w + 2), Mem::load_relaxed(w + 3)};
 }
 
 enum class PeerState { kArrived, kPending, kFailed };
+
+// What a waiter knows of one peer once it read the peer's tag `seen` for
+// its call `tag`: kArrived when they are the same call; else the mismatch
+// is recorded (channel poisoned, error naming both calls) and kFailed.
+template <class Mem>
+B12X_HD PeerState check_tag(const ChannelView& v, int peer, uint32_t epoch, const CallTag& tag, const CallTag& seen) {
+  if (seen == tag) return PeerState::kArrived;
+  record_failure<Mem>(v, kFailureMismatch, peer, epoch, false, tag, seen);
+  return PeerState::kFailed;
+}
+
+// `peer`'s announcement of `epoch` to `block` of this rank: kPending until
+// the flag holds it, then the tag check.
+template <class Mem>
+B12X_HD PeerState check_arrival(const ChannelView& v, int block, int peer, uint32_t epoch, const CallTag& tag) {
+  const Signal* own = v.signals[v.rank];
+  if (Mem::load_acquire(&own->flag[epoch & 1][block][peer]) != epoch) return PeerState::kPending;
+  return check_tag<Mem>(v, peer, epoch, tag, load_tag<Mem>(&own->tag[epoch & 1][block][peer]));
+}
 
 // How long a waiter waits before it looks at its peer's poison word: that
 // is a load from the peer's memory, a round trip over the link, which a
 // call that completes in microseconds must not pay.
 inline constexpr uint64_t kPeerPoisonGraceNs = 20000;
 
-// One bounded look at `peer`, for a waiter that polls `arrived()` (a flag, or
-// Lamport data). kFailed, with the channel poisoned and the error recorded,
-// once the deadline passed or the peer poisoned the channel itself: a peer
-// whose own wait timed out announces nothing more, so its partners stop at
-// once instead of serving out a timeout each, one after the other.
-template <class Mem, class Arrived>
-B12X_HD PeerState poll_peer(const ChannelView& v, int peer, uint32_t epoch, uint64_t deadline_ns,
-                            Arrived arrived) {
-  if (arrived()) return PeerState::kArrived;
+// One bounded look at `peer`, for a waiter that polls `probe()` (a flag, or
+// Lamport data) for a PeerState. kFailed, with the channel poisoned and the
+// error recorded, once the deadline passed or the peer poisoned the channel
+// itself: a peer whose own wait failed announces nothing more, so its
+// partners stop at once instead of serving out a timeout each, one after
+// the other. Deadlines are 64-bit nanoseconds: they do not wrap.
+template <class Mem, class Probe>
+B12X_HD PeerState poll_peer(const ChannelView& v, int peer, uint32_t epoch, uint64_t deadline_ns, Probe probe) {
+  PeerState state = probe();
+  if (state != PeerState::kPending) return state;
   const uint64_t now = Mem::now_ns();
   const bool in_grace = now + v.timeout_ns < deadline_ns + kPeerPoisonGraceNs;  // waited < grace so far
   const bool gave_up = !in_grace && Mem::load_acquire(&v.signals[peer]->poisoned) != 0;
   if (!gave_up && now <= deadline_ns) return PeerState::kPending;
-  if (arrived()) return PeerState::kArrived;  // it announced before giving up
-  record_timeout<Mem>(v, peer, epoch, gave_up);
+  state = probe();  // it announced before giving up
+  if (state != PeerState::kPending) return state;
+  record_failure<Mem>(v, kFailureTimeout, peer, epoch, gave_up);
   return PeerState::kFailed;
 }
 
-// Wait, at most until `deadline_ns`, for `peer` to announce `epoch` to
-// `block`. Never spins forever (DESIGN C8): false, with the channel poisoned
-// and the error naming rank, peer and epoch, on expiry or when the peer gave
-// up on the channel.
+// Wait, at most until `deadline_ns`, for `peer` to announce `epoch` of call
+// `tag` to `block`. Never spins forever (DESIGN C8): false, with the channel
+// poisoned and the error naming rank, peer and epoch (and both calls on a
+// tag mismatch), on expiry, on another call, or when the peer gave up.
 template <class Mem>
-B12X_HD bool wait(const ChannelView& v, int block, int peer, uint32_t epoch, uint64_t deadline_ns) {
-  const auto arrived = [&] { return peer_arrived<Mem>(v, block, peer, epoch); };
-  for (uint32_t spins = 1; !arrived(); ++spins) {
+B12X_HD bool wait(const ChannelView& v, int block, int peer, uint32_t epoch, const CallTag& tag,
+                  uint64_t deadline_ns) {
+  const auto probe = [&] { return check_arrival<Mem>(v, block, peer, epoch, tag); };
+  for (uint32_t spins = 1;; ++spins) {
     // The clock and the peer's poison word cost more than a poll: look at
     // them now and then.
-    if ((spins & 63) == 0) {
-      const PeerState state = poll_peer<Mem>(v, peer, epoch, deadline_ns, arrived);
-      if (state != PeerState::kPending) return state == PeerState::kArrived;
-    }
+    const PeerState state = (spins & 63) == 0 ? poll_peer<Mem>(v, peer, epoch, deadline_ns, probe) : probe();
+    if (state != PeerState::kPending) return state == PeerState::kArrived;
     Mem::pause();
   }
-  return true;
+}
+
+// A rank's Signal as if `calls` calls of every block had run, the last two
+// announced by every peer (epochs calls - 1 and calls, so each parity slot
+// holds the epoch two before the one that waits on it next), and as many
+// Lamport calls, with every Lamport buffer empty (nothing was exchanged).
+// The test hook of DESIGN.md "Wrap" (ChannelGroup::start_counters): written
+// into every rank's Signal before any call on the channel.
+B12X_HD void start_signal_counters(Signal& s, uint32_t calls) {
+  for (int b = 0; b < kMaxBlocks; ++b) {
+    for (int p = 0; p < kMaxRanks; ++p) {
+      s.counter[b][p] = calls;
+      s.flag[calls & 1][b][p] = calls;
+      s.flag[(calls - 1u) & 1][b][p] = calls - 1u;
+    }
+    s.lamport_calls[b] = calls;
+    s.lamport_buffer[b] = calls % kLamportBuffers;  // any start agreed on by every rank
+    s.lamport_packs[b] = 0;
+  }
 }
 
 }  // namespace b12x

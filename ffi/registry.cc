@@ -109,13 +109,37 @@ ChannelView base_view(const ChannelOptions& options, int world, int blocks) {
   return view;
 }
 
+namespace {
+
+// "all_reduce of 256 bytes (lamport, grid 1)": a call tag for a reader.
+std::string describe(const CallTag& tag) {
+  static const char* const ops[] = {"no call", "all_reduce", "all_reduce_residual_rmsnorm", "dcp_a2a"};
+  static const char* const algorithms[] = {"one_shot", "two_shot", "one_shot_pull", "lamport"};
+  const std::string op = tag.op < 4 ? ops[tag.op] : "op " + std::to_string(tag.op);
+  std::string how = tag.op == static_cast<uint32_t>(Op::kDcpA2a) ? ""
+                    : tag.algorithm < 4 ? std::string(algorithms[tag.algorithm]) + ", "
+                                        : "algorithm " + std::to_string(tag.algorithm) + ", ";
+  return op + " of " + std::to_string(static_cast<uint64_t>(tag.packs) * kPackBytes) + " bytes (" + how + "grid " +
+         std::to_string(tag.grid) + ")";
+}
+
+}  // namespace
+
 std::string timeout_message(const ChannelGroup& group, int rank) {
   const ErrorRecord& record = group.error_record(rank);
-  char text[640];
-  if (record.peer_gave_up) {
+  char text[900];
+  if (record.kind == kFailureMismatch) {
+    std::snprintf(text, sizeof(text),
+                  "b12x_jax: channel '%s' rank %d expected %s at epoch %u but rank %d was at %s: the ranks run "
+                  "different calls on one channel (their programs differ, or two threads dispatched calls in "
+                  "different orders: keep one dispatching thread per device group). No data was mixed; the channel is poisoned: release it "
+                  "(Communicator.release) and prepare it again.",
+                  group.channel().c_str(), record.rank, describe(record.expected).c_str(), record.epoch, record.peer,
+                  describe(record.seen).c_str());
+  } else if (record.peer_gave_up) {
     std::snprintf(text, sizeof(text),
                   "b12x_jax: channel '%s' rank %d stopped at epoch %u: rank %d gave up on the channel (its own "
-                  "wait timed out; its error names the rank that did not arrive). The channel is poisoned: "
+                  "wait failed; its error names the rank that did not arrive or ran another call). The channel is poisoned: "
                   "release it (Communicator.release) and prepare it again.",
                   group.channel().c_str(), record.rank, record.epoch, record.peer);
   } else {

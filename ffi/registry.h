@@ -23,7 +23,7 @@ enum class Platform : int { kHost = 0, kCuda = 1 };
 // What the Python Communicator asks of a channel when it prepares it.
 struct ChannelOptions {
   size_t capacity_bytes = 0;  // largest payload of one call (barrier staging, per slot)
-  size_t lamport_bytes = 0;   // payloads up to this take the Lamport exchange (CUDA; 0: never)
+  size_t lamport_bytes = 0;   // payloads up to this take the Lamport exchange (0: never)
   double timeout_s = 10.0;    // bound on every wait for a peer (DESIGN C8)
   int max_blocks = 0;         // largest CUDA grid; 0: min(kMaxBlocks, SM count)
   bool poison_outputs = false;  // debug: fill outputs with NaN before a kernel writes them
@@ -91,6 +91,11 @@ class ChannelGroup {
   // block 0), barrier and Lamport calls together.
   virtual uint32_t read_calls(int rank) const = 0;
   virtual bool read_poisoned(int rank) const = 0;
+  // Test hook (docs/DESIGN.md, "Wrap"): sets every local rank's counters,
+  // flags and Lamport state as if `calls` calls had run (protocol.h
+  // start_signal_counters). Only right before any call on the channel, on
+  // every process of the group.
+  virtual void start_counters(uint32_t calls) const = 0;
   const ErrorRecord& error_record(int rank) const { return *host_errors_[rank]; }
 
  protected:

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <string>
 
+#include "all_reduce.h"
 #include "channel.h"
 #include "numeric.h"
 #include "xla/ffi/api/ffi.h"
@@ -41,6 +42,33 @@ inline std::string rows_call_shape(const xla::ffi::AnyBuffer& x, const xla::ffi:
   shape = RowsShape{static_cast<int>(x.element_count() / hidden), static_cast<int>(row_bytes / kPackBytes),
                     static_cast<int>(hidden)};
   return {};
+}
+
+// How a call spreads its rows over the channel's Lamport cells: block b owns
+// rows [b * rows_per_block, ...), one contiguous range of packs, exchanged
+// as one Lamport call of the block (lamport.h). Depends only on the shape
+// and the layout, so every rank plans the same. grid 0: the rows do not fit.
+struct RowsPlan {
+  int rows_per_block;
+  int grid;
+
+  B12X_HD CallTag tag(const RowsShape& s) const {
+    return CallTag{static_cast<uint32_t>(Op::kResidualRmsnorm), static_cast<uint32_t>(Algorithm::kLamport),
+                   static_cast<uint32_t>(static_cast<size_t>(s.rows) * s.row_packs), static_cast<uint32_t>(grid)};
+  }
+};
+
+inline RowsPlan plan_rows(const RowsShape& s, const StagingLayout& cells) {
+  const int rows_per_block = (s.rows + cells.max_blocks - 1) / cells.max_blocks;
+  if (static_cast<size_t>(rows_per_block) * s.row_packs * kPackBytes > cells.block_bytes) return {rows_per_block, 0};
+  return {rows_per_block, (s.rows + rows_per_block - 1) / rows_per_block};
+}
+
+inline std::string rows_capacity_message(const RowsShape& s, const StagingLayout& cells) {
+  return "b12x_jax.all_reduce_residual_rmsnorm: " + std::to_string(s.rows) + " rows of " +
+         std::to_string(s.row_packs * kPackBytes) + " bytes do not fit the channel's " +
+         std::to_string(cells.max_blocks) + " Lamport cells of " + std::to_string(cells.block_bytes) +
+         " bytes; raise Communicator(lamport_bytes=...)";
 }
 
 // 1 / RMS of a row from its sum of squares.

@@ -61,6 +61,51 @@ def assert_sum_matches(got_per_rank: np.ndarray, shards: np.ndarray, dtype_name:
     assert np.array_equal(first, np.ascontiguousarray(got).view(np.uint8)), f"rank {r} differs from rank 0 in bits"
 
 
+# -- all_reduce: every protocol ----------------------------------------------------------------------
+
+# Payloads around a Lamport window of ALGORITHM_LAMPORT_BYTES: inside it (the Lamport exchange), and
+# above it (the barrier algorithm asked for), with shards of two-shot that do not divide evenly.
+ALGORITHM_LAMPORT_BYTES = 4096
+ALGORITHM_SIZES = (16, 1024, 4096, 4096 + 16, 3 * 16 * 1024 + 48)
+
+
+def check_every_protocol(mesh, algorithm: str, seed: int) -> int:
+  """all_reduce on ``mesh`` (axis "x") with ``algorithm`` above the Lamport
+  window, for every size of ALGORITHM_SIZES and dtype, twice each on fresh
+  inputs, against float64, with poisoned outputs, on a fresh Communicator
+  (closed after). Returns the calls checked."""
+  import b12x_jax
+  from jax.sharding import PartitionSpec as P
+
+  n = mesh.devices.size
+  rng = np.random.default_rng(seed)
+  fn = jax.jit(jax.shard_map(lambda x: b12x_jax.all_reduce(x, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  checked = 0
+  with fresh_communicator(poison_outputs=True, algorithm=algorithm, lamport_bytes=ALGORITHM_LAMPORT_BYTES) as comm:
+    with b12x_jax.channel("protocols"):
+      for nbytes in ALGORITHM_SIZES:
+        for dtype_name, dtype in DTYPES.items():
+          for _ in range(2):  # both slots, or two Lamport buffers
+            shards = random_shards(rng, n, nbytes // np.dtype(dtype).itemsize, dtype)
+            got = np.asarray(fn(put_sharded(mesh, shards))).reshape(shards.shape)
+            assert comm.decisions[-1].path == "b12x", comm.decisions[-1]
+            assert_sum_matches(got, shards, dtype_name)
+            checked += 1
+  return checked
+
+
+def assert_names_both_calls(messages: list[str], how: str) -> None:
+  """The call-tag error (docs/DESIGN.md) of tests/workers.py's mismatch
+  mode, from both ranks: rank 0 at an all_reduce of 64 floats, rank 1 at one
+  of 128, both by protocol ``how`` ("lamport", "one_shot", ...)."""
+  import re
+  calls = {0: f"all_reduce of 256 bytes \\({how}, grid 1\\)", 1: f"all_reduce of 512 bytes \\({how}, grid 1\\)"}
+  for rank, peer in ((0, 1), (1, 0)):
+    pattern = (f"channel 'mismatch' rank {rank} expected {calls[rank]} at epoch 1 but rank {peer} was at "
+               f"{calls[peer]}: the ranks run different calls on one channel")
+    assert any(re.search(pattern, m) for m in messages), (pattern, messages)
+
+
 # -- DCP: partial attention over KV shards, and the full attention it must merge to ---------------------
 
 

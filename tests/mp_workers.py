@@ -121,6 +121,31 @@ def all_reduce_mode(args) -> dict:
   return {"hashes": hashes, "rank": stats["rank"], "world": stats["world"], "epochs": epochs}
 
 
+def wrap_mode(args) -> dict:
+  """all_reduce inside and above the Lamport window across the uint32 wrap
+  of the counters (docs/DESIGN.md, "Wrap"), between processes: the hook on
+  every process, a barrier (peers write into the Signal the hook writes),
+  then 12 calls of each on fresh inputs, checked against float64."""
+  import jax
+  import numpy as np
+
+  import b12x_jax
+  from b12x_jax import _compat
+  comm = _communicator(args, poison_outputs=True, lamport_bytes=4096)
+  b12x_jax.set_communicator(comm)
+  mesh = _mesh()
+  comm.prepare(mesh, "x", channels=["wrap"])
+  comm._start_counters("wrap", 2**32 - 5)
+  # The KV store's barrier, not an XLA collective (NCCL takes no two ranks on one GPU: the rig).
+  _compat.distributed_client().wait_at_barrier("b12x_jax_wrap_counters", 60_000)
+  ours = _reducer(mesh, b12x_jax.all_reduce)
+  rng = np.random.default_rng(1)  # the same shards in every process
+  with b12x_jax.channel("wrap"):
+    hashes = [_check(ours, mesh, rng, elems, "float32") for _ in range(12) for elems in (256, 1024 + 4)]
+  b12x_jax.check_errors()
+  return {"hashes": hashes, "epoch": comm.stats("wrap", jax.local_devices()[0])["epoch"]}
+
+
 def dcp_mode(args) -> dict:
   """dcp_a2a across processes: each process feeds its own KV shard's partial
   attention and checks its head shard of the merge against full attention
@@ -507,7 +532,7 @@ MODES = {"all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "f
          "never_joins": never_joins_mode, "close_twice": close_twice_mode, "throwaway": throwaway_mode,
          "exit_pending": exit_pending_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,
          "residual_rmsnorm": residual_rmsnorm_mode, "never_calls": never_calls_mode, "reprepare": reprepare_mode,
-         "independent": independent_mode, "late_start": late_start_mode}
+         "independent": independent_mode, "late_start": late_start_mode, "wrap": wrap_mode}
 
 
 def main() -> None:

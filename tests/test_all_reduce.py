@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 import b12x_jax
 from conftest import run_worker
-from helpers import DTYPES, assert_sum_matches, fresh_communicator, random_shards
+from helpers import (ALGORITHM_SIZES, DTYPES, assert_names_both_calls, assert_sum_matches, check_every_protocol,
+                     fresh_communicator, random_shards)
 
 
 def _per_rank(mesh, **kwargs):
@@ -42,6 +43,49 @@ def test_all_reduce_matches_float64_reference(cpu_mesh, n, dtype_name, nbytes):
       assert_sum_matches(_run(fn, mesh, shards), shards, dtype_name, roundings=1 if nbytes <= CAPACITY else n)
   decision = b12x_jax.get_communicator().decisions[-1]
   assert decision.path == ("b12x" if nbytes <= CAPACITY else "psum"), decision
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot", "one_shot_pull"])
+def test_every_protocol_matches_float64_inside_and_outside_the_lamport_window(cpu_mesh, n, algorithm):
+  # The host runs what CUDA runs (ffi/all_reduce.h plan_for): Lamport within the window, the algorithm asked
+  # for above it.
+  assert check_every_protocol(cpu_mesh(n), algorithm, seed=n) == len(ALGORITHM_SIZES) * len(DTYPES) * 2
+
+
+def test_every_protocol_matches_float64_on_eight_ranks():
+  result = run_worker("protocols", "--platform", "cpu", "--devices", "8", hard_timeout=300)
+  assert result["checked"] == 3 * len(ALGORITHM_SIZES) * len(DTYPES) * 2, result
+
+
+def test_two_shot_meets_twice_per_call(cpu_mesh):
+  mesh = cpu_mesh(2)
+  with fresh_communicator(algorithm="two_shot", lamport_bytes=0) as comm, b12x_jax.channel("two-shot"):
+    shards = random_shards(np.random.default_rng(8), 2, 1000, np.float32)
+    assert_sum_matches(_run(_per_rank(mesh), mesh, shards), shards, "float32")
+    assert comm.stats("two-shot", mesh.devices.flat[0])["epoch"] == 2
+
+
+@pytest.mark.parametrize("lamport_bytes, algorithm", [(1 << 20, "auto"), (0, "one_shot"), (0, "two_shot")],
+                         ids=["lamport", "one_shot", "two_shot"])
+def test_ranks_at_different_calls_on_one_channel_raise_a_clear_error(lamport_bytes, algorithm):
+  # Rank 0 reduces 64 floats and rank 1 128 on one channel: the call tag (docs/DESIGN.md) stops both with
+  # an error naming both calls, never a sum of mixed data, never a hang.
+  result = run_worker("mismatch", "--platform", "cpu", "--timeout", "5.0", "--lamport-bytes", str(lamport_bytes),
+                      "--algorithm", algorithm, hard_timeout=120)
+  assert result["finite"] is None, result  # on CPU the call itself raises
+  assert result["seconds"] < 5, result  # found at the first look, not by a timeout
+  assert_names_both_calls(result["messages"], "lamport" if lamport_bytes else algorithm)
+
+
+@pytest.mark.parametrize("lamport_bytes", [1 << 20, 0], ids=["lamport", "barrier"])
+def test_a_peer_that_never_joins_times_out_with_names_on_either_protocol(lamport_bytes):
+  result = run_worker("timeout", "--platform", "cpu", "--timeout", "1.0", "--lamport-bytes", str(lamport_bytes),
+                      hard_timeout=120)
+  assert len(result["messages"]) == 2 and result["nan_outputs"] == [], result  # on CPU the call itself raises
+  for message in result["messages"]:
+    assert re.search(r"channel 'lonely' rank 0 timed out after 1 s at epoch 1 waiting for rank 1", message), message
+  assert result["seconds"] < 30
 
 
 def test_invariant_output_can_leave_shard_map_replicated(cpu_mesh):
@@ -117,14 +161,6 @@ def test_integer_dtype_falls_back_to_psum(cpu_mesh):
   assert "dtype int32" in b12x_jax.get_communicator().decisions[-1].reason
 
 
-def test_a_peer_that_never_joins_times_out_with_names():
-  result = run_worker("timeout", "--platform", "cpu", "--timeout", "1.0", hard_timeout=120)
-  assert len(result["messages"]) == 2 and result["nan_outputs"] == [], result  # on CPU the call itself raises
-  for message in result["messages"]:
-    assert re.search(r"channel 'lonely' rank 0 timed out after 1 s at epoch 1 waiting for rank 1", message), message
-  assert result["seconds"] < 30
-
-
 def test_released_channel_can_be_prepared_again(cpu_mesh):
   mesh = cpu_mesh(2)
   fn = _per_rank(mesh)
@@ -161,7 +197,7 @@ def test_poisoned_outputs_are_fully_overwritten(cpu_mesh):
       for nbytes in (16, 4096, 1 << 16):
         shards = random_shards(rng, 2, nbytes // 4, np.float32)
         assert_sum_matches(_run(fn, mesh, shards), shards, "float32")
-    assert comm.stats("poisoned", mesh.devices.flat[0])["lamport_bytes"] == 0  # host backend: barrier only
+    assert comm.stats("poisoned", mesh.devices.flat[0])["lamport_bytes"] == 1 << 20  # the host runs Lamport too
 
 
 def test_close_twice_is_harmless(cpu_mesh):

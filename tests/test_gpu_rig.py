@@ -26,7 +26,7 @@ GRAPHS_OFF = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}
 def test_all_reduce_on_the_lamport_and_barrier_paths_of_each_algorithm_matches_float64(gpu_rig, n, graphs):
   results = gpu_rig("all_reduce", n, "--configs", json.dumps(ALL_REDUCE_CONFIGS),
                     env=GRAPHS_OFF if graphs == "off" else None)
-  check_all_reduce_configs(results, "cuda")
+  check_all_reduce_configs(results)
 
 
 @pytest.mark.parametrize("n", WORLDS)
@@ -68,3 +68,10 @@ def test_cached_executables_across_release_and_prepare_touch_no_freed_memory(gpu
   launcher = (SANITIZER, "--tool", "memcheck", "--error-exitcode", "97", "--print-limit", "20")
   results = gpu_rig("reprepare", 2, env=env, launcher=launcher, hard_timeout=400)
   assert results[0]["hashes"] == results[1]["hashes"] and len(results[0]["hashes"]) == 12, results
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_the_lamport_and_barrier_paths_are_right_across_the_counter_wrap(gpu_rig, n):
+  results = gpu_rig("wrap", n)
+  assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == 24, results
+  assert {r["epoch"] for r in results} == {(2 * (2**32 - 5) + 24) % 2**32}, results  # both counters wrapped

@@ -21,25 +21,24 @@ def test_all_reduce_across_processes_matches_float64_with_identical_bits(multipr
   assert [r["epochs"] for r in results] == [[8], [8]]
 
 
-# The Lamport window (CUDA; the barrier protocol on CPU), then each algorithm
-# of the barrier path, outputs poisoned; and the epochs each ends at per
-# platform (4 sizes times 2 calls; a CUDA two-shot call counts two, the
-# host backend reduces in one shot whatever the algorithm).
+# The Lamport window, then each algorithm of the barrier path, outputs
+# poisoned; and the epochs each ends at (4 sizes times 2 calls; a two-shot
+# call counts two), the same on CPU and CUDA: one protocol (docs/DESIGN.md).
 ALL_REDUCE_CONFIGS = [{"poison_outputs": True}] + [
     {"lamport_bytes": 0, "algorithm": a, "poison_outputs": True} for a in ("one_shot", "two_shot", "one_shot_pull")]
-ALL_REDUCE_EPOCHS = {"cpu": [8, 8, 8, 8], "cuda": [8, 8, 16, 8]}
+ALL_REDUCE_EPOCHS = [8, 8, 16, 8]
 
 
-def check_all_reduce_configs(results: list[dict], platform: str) -> None:
+def check_all_reduce_configs(results: list[dict]) -> None:
   """all_reduce mode under ALL_REDUCE_CONFIGS: every process checked its
   values against float64, and all hold identical bits."""
   assert [r["rank"] for r in results] == list(range(len(results))), results
   assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == 16
-  assert [r["epochs"] for r in results] == [ALL_REDUCE_EPOCHS[platform]] * len(results)
+  assert [r["epochs"] for r in results] == [ALL_REDUCE_EPOCHS] * len(results)
 
 
 def test_all_reduce_across_processes_under_each_algorithm_matches_float64(multiprocess):
-  check_all_reduce_configs(multiprocess("all_reduce", 2, "--configs", json.dumps(ALL_REDUCE_CONFIGS)), "cpu")
+  check_all_reduce_configs(multiprocess("all_reduce", 2, "--configs", json.dumps(ALL_REDUCE_CONFIGS)))
 
 
 def test_the_fused_op_across_processes_matches_float64_with_identical_bits(multiprocess):
@@ -51,6 +50,13 @@ def test_the_fused_op_across_processes_matches_float64_with_identical_bits(multi
 def test_a_process_that_prepared_but_never_calls_gives_the_others_the_timeout_error(multiprocess, n):
   results = multiprocess("never_calls", n, "--timeout", "2")
   check_never_calls(results, "2", "cpu")
+
+
+def test_counters_wrap_across_processes_with_the_same_results(multiprocess):
+  results = multiprocess("wrap")
+  assert results[0]["hashes"] == results[1]["hashes"]  # each process checked its values against float64
+  # Barrier and Lamport counters both started at 2**32 - 5 and ran 12 calls each.
+  assert {r["epoch"] for r in results} == {(2 * (2**32 - 5) + 24) % 2**32}
 
 
 def test_dcp_a2a_across_processes_matches_full_attention(multiprocess):

@@ -75,7 +75,7 @@ def timeout_mode(args) -> dict:
 
 def graphs_mode(args) -> dict:
   """17 all-reduces in one executable, run `runs` times on fresh inputs:
-  12 small ones (the Lamport path on CUDA) and 5 just above the 1 MiB Lamport
+  12 small ones (the Lamport path) and 5 just above the 1 MiB Lamport
   window (the barrier path), so both paths and both barrier slots alternate."""
   import jax
   import numpy as np
@@ -237,6 +237,57 @@ def cross_mode(args) -> dict:
   return {"messages": messages, "finite": finite, "seconds": seconds}
 
 
+def mismatch_mode(args) -> dict:
+  """Rank 0 runs an all_reduce of 64 floats, rank 1 one of 128 floats, on
+  one channel (a lax.cond on the rank): each must stop with the error that
+  names both calls, within the timeout, never return a number. Returns the
+  messages (the call's, then check_errors' of every rank)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  b12x_jax.set_communicator(b12x_jax.Communicator(timeout_s=args.timeout, lamport_bytes=args.lamport_bytes,
+                                                  algorithm=args.algorithm, poison_outputs=True))
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+
+  def small(v):  # padded with NaN: a finite element can only be a (wrong) sum
+    return jnp.concatenate([b12x_jax.all_reduce(v[:64], "x"), jnp.full(64, jnp.nan, v.dtype)])
+
+  def body(x):
+    return jax.lax.cond(jax.lax.axis_index("x") == 0, small, lambda v: b12x_jax.all_reduce(v, "x"), x)
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+  x = jax.device_put(np.random.default_rng(args.seed).standard_normal(2 * 128).astype(np.float32),
+                     NamedSharding(mesh, P("x")))
+  messages, finite = [], None
+  start = time.monotonic()
+  with b12x_jax.channel("mismatch"):
+    try:
+      finite = bool(np.isfinite(np.asarray(fn(x))).any())
+    except Exception as e:  # noqa: BLE001 - CPU raises from the call
+      messages.append(str(e))
+  try:
+    b12x_jax.check_errors()
+  except b12x_jax.CollectiveTimeoutError as e:
+    messages.extend(str(e).splitlines())
+  return {"messages": messages, "finite": finite, "seconds": time.monotonic() - start}
+
+
+def protocols_mode(args) -> dict:
+  """helpers.check_every_protocol for every algorithm on the first
+  ``devices`` devices. Returns the calls checked."""
+  import jax
+  sys.path.insert(0, os.path.dirname(__file__))
+  from helpers import check_every_protocol
+
+  mesh = jax.make_mesh((args.devices,), ("x",), devices=jax.devices()[:args.devices])
+  checked = sum(check_every_protocol(mesh, algorithm, args.seed) for algorithm in ("one_shot", "two_shot", "one_shot_pull"))
+  return {"checked": checked}
+
+
 def race_mode(args) -> dict:
   """Two host threads dispatch the "target" and the "draft" executables
   ``runs`` times each, so the devices may queue them in different orders.
@@ -382,7 +433,8 @@ def order_mode(args) -> dict:
 
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("mode", choices=["timeout", "graphs", "dcp", "torture", "cross", "race", "close_pending", "order"])
+  parser.add_argument("mode", choices=["timeout", "graphs", "dcp", "torture", "cross", "race", "close_pending",
+                                      "mismatch", "protocols", "order"])
   parser.add_argument("--platform", default="cpu")
   parser.add_argument("--devices", type=int, default=2)
   parser.add_argument("--timeout", type=float, default=1.0)
@@ -399,7 +451,8 @@ def main() -> None:
   _setup(args.platform, args.devices, args.xla_flags)
   result = {"timeout": timeout_mode, "graphs": graphs_mode, "dcp": dcp_mode,
             "torture": torture_mode, "cross": cross_mode, "race": race_mode,
-            "close_pending": close_pending_mode, "order": order_mode}[args.mode](args)
+            "close_pending": close_pending_mode, "mismatch": mismatch_mode, "protocols": protocols_mode,
+            "order": order_mode}[args.mode](args)
   print("RESULT " + json.dumps(result), flush=True)
 
 

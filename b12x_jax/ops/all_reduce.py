@@ -71,7 +71,7 @@ def _algorithm(comm, nbytes: int, size: int) -> tuple[str, str, str | None]:
   if comm.algorithm != "auto":
     return comm.algorithm, f"{comm.algorithm} (Communicator(algorithm={comm.algorithm!r}))", None
   if nbytes <= comm.lamport_bytes:
-    return "one_shot", "within lamport_bytes (the Lamport exchange on CUDA)", None
+    return "one_shot", "within lamport_bytes (the Lamport exchange)", None
   crossover = tuning.crossover_for(jax.devices()[0].device_kind, size, stored=jax.process_count() == 1)
   if crossover.two_shot_from is not None and nbytes >= crossover.two_shot_from:
     algorithm, why = "two_shot", f"two_shot from {crossover.two_shot_from} bytes ({crossover.source})"

@@ -28,7 +28,7 @@ def _grid_limit(max_blocks: int | None) -> int:
     return max_blocks
   try:
     sms = [getattr(d, "core_count", _MAX_BLOCKS) for d in jax.devices("gpu")]
-  except RuntimeError:  # no GPU: the host backend has no cells to fit
+  except RuntimeError:  # no GPU: the host backend's one Lamport cell holds what 64 would
     sms = []
   return min([_MAX_BLOCKS, *sms])
 

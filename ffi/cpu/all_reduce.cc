@@ -1,12 +1,19 @@
-// One-shot all-reduce on the host backend, and all_reduce_residual_rmsnorm
-// (the same exchange, then rmsnorm.h): the protocol of protocol.h with one
-// block, driven by the progress thread (progress.h).
+// all_reduce and all_reduce_residual_rmsnorm on the host backend: the
+// protocol plan_for (all_reduce.h) picks, the same as on CUDA, with one
+// block, driven by the progress thread (progress.h): the Lamport exchange
+// (lamport.h) within the channel's Lamport window, else the barrier
+// algorithm the `algorithm` attribute asks for (all_reduce.h); the fused op
+// on the Lamport exchange, then rmsnorm.h. Sums are sum_in_rank_order, so
+// the bits are CUDA's.
 #include <cstring>
+#include <memory>
 #include <string_view>
 
+#include "../all_reduce.h"
 #include "../numeric.h"
 #include "../registry.h"
 #include "../rmsnorm.h"
+#include "host_calls.h"
 #include "progress.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -15,93 +22,131 @@ namespace ffi = xla::ffi;
 namespace b12x {
 namespace {
 
-// out = the sum of every rank's packs (+ `residual` where given), one rounding.
+// One-shot (push or pull) or two-shot, by the steps of all_reduce.h.
 template <DType D>
-void reduce_sources(const ChannelView& v, int slot, const Pack* own, Pack* out, size_t packs,
-                    const Pack* residual = nullptr) {
-  const Pack* sources[kMaxRanks];
-  for (int q = 0; q < v.world; ++q) {
-    sources[q] = q == v.rank ? own
-                             : reinterpret_cast<const Pack*>(v.staging[v.rank] + v.layout.cell_offset(slot, q, 0));
-  }
-  for (size_t i = 0; i < packs; ++i) {
-    Pack staged[kMaxRanks];
-    for (int q = 0; q < v.world; ++q) staged[q] = sources[q][i];
-    out[i] = sum_in_rank_order<D>(staged, v.world, residual != nullptr ? residual + i : nullptr);
-  }
-}
+class BarrierAllReduce final : public BarrierCall {
+ public:
+  BarrierAllReduce(RankHandle handle, ffi::Promise promise, const Plan& plan, const Pack* in, Pack* out)
+      : BarrierCall(handle, std::move(promise), plan.tag(), plan.algorithm == Algorithm::kTwoShot ? 2 : 1),
+        plan_(plan), in_(in), out_(out) {}
 
-using Reducer = void (*)(const ChannelView&, int, const Pack*, Pack*, size_t, const Pack*);
+ private:
+  void stage(const ChannelView& v, uint32_t epoch, int phase) override {
+    const AllReduceBlock b{v, plan_, 0, epoch, in_, out_};
+    switch (plan_.algorithm) {
+      case Algorithm::kOneShot: return one_shot_stage<false>(b, AllPacks{});
+      case Algorithm::kPull: return one_shot_stage<true>(b, AllPacks{});
+      case Algorithm::kTwoShot:
+        return phase == 0 ? two_shot_scatter(b, AllPacks{}) : two_shot_reduce<HostMem, D>(b, AllPacks{});
+      case Algorithm::kLamport: return;  // LamportAllReduce
+    }
+  }
 
-Reducer reducer_for(ffi::DataType type) {
+  void done(const ChannelView& v, uint32_t epoch) override {
+    const AllReduceBlock b{v, plan_, 0, epoch, in_, out_};
+    switch (plan_.algorithm) {
+      case Algorithm::kOneShot: return one_shot_reduce<HostMem, D, false>(b, AllPacks{});
+      case Algorithm::kPull: return one_shot_reduce<HostMem, D, true>(b, AllPacks{});
+      case Algorithm::kTwoShot: return two_shot_gather<HostMem>(b, AllPacks{});
+      case Algorithm::kLamport: return;
+    }
+  }
+
+  Plan plan_;
+  const Pack* in_;
+  Pack* out_;
+};
+
+template <DType D>
+class LamportAllReduce final : public LamportHostCall {
+ public:
+  LamportAllReduce(RankHandle handle, ffi::Promise promise, const Plan& plan, const Pack* in, Pack* out)
+      : LamportHostCall(handle, std::move(promise), plan.tag(), in, plan.packs), out_(out) {}
+
+ private:
+  void reduce(const ChannelView& v, size_t i, const Pack* staged) override {
+    out_[i] = sum_in_rank_order<D>(staged, v.world);
+  }
+
+  Pack* out_;
+};
+
+// The Lamport exchange of the rows with the residual added in the same sum
+// (one rounding), then RMSNorm of every row of residual_out (rmsnorm.h).
+template <DType D>
+class ResidualRmsnormCall final : public LamportHostCall {
+ public:
+  ResidualRmsnormCall(RankHandle handle, ffi::Promise promise, const RowsShape& s, const RowsPlan& plan, float eps,
+                      const Pack* in, const Pack* residual, const Pack* weight, Pack* normed, Pack* residual_out)
+      : LamportHostCall(handle, std::move(promise), plan.tag(s), in, static_cast<size_t>(s.rows) * s.row_packs),
+        s_(s), eps_(eps), residual_(residual), weight_(weight), normed_(normed), residual_out_(residual_out) {}
+
+  void finish(const ChannelView& v) override {
+    LamportHostCall::finish(v);
+    for (int r = 0; r < s_.rows; ++r) {
+      const Pack* row = residual_out_ + static_cast<size_t>(r) * s_.row_packs;
+      float squares = 0.0f;
+      for (int k = 0; k < s_.row_packs; ++k) squares += sum_of_squares<D>(row[k]);
+      const float scale = rms_scale(squares, s_.hidden, eps_);
+      Pack* out = normed_ + static_cast<size_t>(r) * s_.row_packs;
+      for (int k = 0; k < s_.row_packs; ++k) out[k] = normalize_pack<D>(row[k], weight_[k], scale);
+    }
+  }
+
+ private:
+  void reduce(const ChannelView& v, size_t i, const Pack* staged) override {
+    residual_out_[i] = sum_in_rank_order<D>(staged, v.world, residual_ + i);
+  }
+
+  RowsShape s_;
+  float eps_;
+  const Pack* residual_;
+  const Pack* weight_;
+  Pack* normed_;
+  Pack* residual_out_;
+};
+
+// A call of `Call<D>` for the buffers' dtype; null for an unsupported one.
+template <template <DType> class Call, class... Args>
+std::unique_ptr<HostCall> make_call(ffi::DataType type, Args&&... args) {
   switch (type) {
-    case ffi::DataType::F32: return reduce_sources<DType::kF32>;
-    case ffi::DataType::BF16: return reduce_sources<DType::kBF16>;
-    case ffi::DataType::F16: return reduce_sources<DType::kF16>;
+    case ffi::DataType::F32: return std::make_unique<Call<DType::kF32>>(std::forward<Args>(args)...);
+    case ffi::DataType::BF16: return std::make_unique<Call<DType::kBF16>>(std::forward<Args>(args)...);
+    case ffi::DataType::F16: return std::make_unique<Call<DType::kF16>>(std::forward<Args>(args)...);
     default: return nullptr;
   }
 }
 
-// RMSNorm of every row of residual_out into normed (rmsnorm.h).
-template <DType D>
-void normalize_rows(const RowsShape& s, float eps, const Pack* residual_out, const Pack* weight, Pack* normed) {
-  for (int r = 0; r < s.rows; ++r) {
-    const Pack* row = residual_out + static_cast<size_t>(r) * s.row_packs;
-    float squares = 0.0f;
-    for (int k = 0; k < s.row_packs; ++k) squares += sum_of_squares<D>(row[k]);
-    const float scale = rms_scale(squares, s.hidden, eps);
-    for (int k = 0; k < s.row_packs; ++k) normed[r * s.row_packs + k] = normalize_pack<D>(row[k], weight[k], scale);
-  }
+bool supported(ffi::DataType type) {
+  return type == ffi::DataType::F32 || type == ffi::DataType::BF16 || type == ffi::DataType::F16;
 }
 
-using Normalizer = void (*)(const RowsShape&, float, const Pack*, const Pack*, Pack*);
-
-Normalizer normalizer_for(ffi::DataType type) {
-  switch (type) {
-    case ffi::DataType::F32: return normalize_rows<DType::kF32>;
-    case ffi::DataType::BF16: return normalize_rows<DType::kBF16>;
-    case ffi::DataType::F16: return normalize_rows<DType::kF16>;
-    default: return nullptr;
-  }
-}
-
-// Pushes this rank's payload into its staging cell on every peer.
-void push_to_peers(const ChannelView& v, uint32_t epoch, const Pack* in, size_t bytes) {
-  for (int p = 0; p < v.world; ++p) {
-    if (p != v.rank) std::memcpy(v.staging[p] + v.layout.cell_offset(epoch & 1, v.rank, 0), in, bytes);
-  }
-}
-
-// `algorithm` selects the CUDA kernel; the host backend reduces in one shot
-// whatever it is, with the same bits (every element summed in rank order).
 ffi::Future AllReduceHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                           ffi::Result<ffi::AnyBuffer> y,
-                          std::string_view channel_id, int32_t /*algorithm*/) {
+                          std::string_view channel_id, int32_t algorithm) {
   ffi::Promise promise;
   ffi::Future future(promise);
   const RankLease handle = Registry::get().lease(Platform::kHost, channel_id, ordinal);
   const size_t bytes = x.size_bytes();
-  const Reducer reduce = reducer_for(x.element_type());
   if (!handle) {
     promise.SetError(ffi::Error::InvalidArgument(unprepared_message("all_reduce", channel_id, ordinal)));
   } else if (bytes % kPackBytes != 0 || bytes > handle.view().layout.capacity()) {
     promise.SetError(ffi::Error::InvalidArgument(
         "b12x_jax.all_reduce: payload of " + std::to_string(bytes) + " bytes is outside the channel's window "
         "(a multiple of 16 up to " + std::to_string(handle.view().layout.capacity()) + ")"));
-  } else if (reduce == nullptr) {
+  } else if (!supported(x.element_type())) {
     promise.SetError(ffi::Error::InvalidArgument("b12x_jax.all_reduce: dtype must be float32, bfloat16 or float16"));
+  } else if (algorithm < 0 || static_cast<uint32_t>(algorithm) > kLastRequestable) {
+    promise.SetError(ffi::Error::InvalidArgument("b12x_jax.all_reduce: unknown algorithm " + std::to_string(algorithm)));
   } else {
+    const ChannelView& v = handle.view();
     const auto* in = static_cast<const Pack*>(x.untyped_data());
     auto* out = static_cast<Pack*>(y->untyped_data());
     if (handle.group->options().poison_outputs) std::memset(out, 0xFF, bytes);  // NaN everywhere
-    HostCall call;
-    call.handle = handle;
-    call.stage = [in, bytes](const ChannelView& v, uint32_t epoch) { push_to_peers(v, epoch, in, bytes); };
-    call.finish = [in, out, bytes, reduce](const ChannelView& v, uint32_t epoch) {
-      reduce(v, epoch & 1, in, out, bytes / kPackBytes, nullptr);
-    };
-    call.promise = promise;
-    submit_host_call(std::move(call));
+    const Plan plan = plan_for(bytes, v.world, static_cast<Algorithm>(algorithm), v);
+    submit_host_call(plan.algorithm == Algorithm::kLamport
+                         ? make_call<LamportAllReduce>(x.element_type(), handle, promise, plan, in, out)
+                         : make_call<BarrierAllReduce>(x.element_type(), handle, promise, plan, in, out));
   }
   return future;
 }
@@ -114,20 +159,17 @@ ffi::Future ResidualRmsnormHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, f
   ffi::Future future(promise);
   const RankLease handle = Registry::get().lease(Platform::kHost, channel_id, ordinal);
   const size_t bytes = x.size_bytes();
-  const Reducer reduce = reducer_for(x.element_type());
-  const Normalizer normalize = normalizer_for(x.element_type());
   RowsShape s{};
   const std::string problem = rows_call_shape(x, residual, weight, s);
+  const RowsPlan plan = handle && problem.empty() ? plan_rows(s, handle.view().lamport_layout) : RowsPlan{};
   if (!handle) {
     promise.SetError(
         ffi::Error::InvalidArgument(unprepared_message("all_reduce_residual_rmsnorm", channel_id, ordinal)));
-  } else if (!problem.empty() || reduce == nullptr) {
+  } else if (!problem.empty() || !supported(x.element_type())) {
     promise.SetError(ffi::Error::InvalidArgument(
         problem.empty() ? "b12x_jax.all_reduce_residual_rmsnorm: dtype must be float32, bfloat16 or float16" : problem));
-  } else if (bytes > handle.view().layout.capacity()) {
-    promise.SetError(ffi::Error::InvalidArgument(
-        "b12x_jax.all_reduce_residual_rmsnorm: payload of " + std::to_string(bytes) +
-        " bytes exceeds the channel's capacity of " + std::to_string(handle.view().layout.capacity())));
+  } else if (plan.grid == 0) {
+    promise.SetError(ffi::Error::InvalidArgument(rows_capacity_message(s, handle.view().lamport_layout)));
   } else {
     const auto* in = static_cast<const Pack*>(x.untyped_data());
     const auto* res = static_cast<const Pack*>(residual.untyped_data());
@@ -138,15 +180,8 @@ ffi::Future ResidualRmsnormHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, f
       std::memset(out, 0xFF, bytes);
       std::memset(res_out, 0xFF, bytes);
     }
-    HostCall call;
-    call.handle = handle;
-    call.stage = [in, bytes](const ChannelView& v, uint32_t epoch) { push_to_peers(v, epoch, in, bytes); };
-    call.finish = [=](const ChannelView& v, uint32_t epoch) {
-      reduce(v, epoch & 1, in, res_out, bytes / kPackBytes, res);
-      normalize(s, eps, res_out, w, out);
-    };
-    call.promise = promise;
-    submit_host_call(std::move(call));
+    submit_host_call(make_call<ResidualRmsnormCall>(x.element_type(), handle, promise, s, plan, eps, in, res, w, out,
+                                                    res_out));
   }
   return future;
 }

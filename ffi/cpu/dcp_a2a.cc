@@ -2,12 +2,14 @@
 // one block, driven by the progress thread (progress.h); the rows and the
 // merge math are those of dcp.h.
 #include <cstring>
+#include <memory>
 #include <string>
 #include <string_view>
 
 #include "../dcp.h"
 #include "../dcp_call.h"
 #include "../registry.h"
+#include "host_calls.h"
 #include "progress.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -70,6 +72,28 @@ void merge_rows(const ChannelView& v, const DcpShape& s, int slot, const Pack* i
 
 using Merger = void (*)(const ChannelView&, const DcpShape&, int, const Pack*, const float*, Pack*, float*);
 
+// One barrier: stage the rows, meet, merge.
+class DcpCall final : public BarrierCall {
+ public:
+  DcpCall(RankHandle handle, ffi::Promise promise, const DcpShape& s, Merger merge, const Pack* in,
+          const float* in_lse, Pack* out, float* out_lse)
+      : BarrierCall(handle, std::move(promise), plan_dcp(s, handle.view().layout, 1).tag(s), 1), s_(s),
+        merge_(merge), in_(in), in_lse_(in_lse), out_(out), out_lse_(out_lse) {}
+
+ private:
+  void stage(const ChannelView& v, uint32_t epoch, int /*phase*/) override {
+    stage_rows(v, s_, epoch & 1, in_, in_lse_);
+  }
+  void done(const ChannelView& v, uint32_t epoch) override { merge_(v, s_, epoch & 1, in_, in_lse_, out_, out_lse_); }
+
+  DcpShape s_;
+  Merger merge_;
+  const Pack* in_;
+  const float* in_lse_;
+  Pack* out_;
+  float* out_lse_;
+};
+
 // Empty when the call can run; else why not. Fills `shape` and `out_lse`.
 std::string check_call(const RankHandle& handle, const ffi::AnyBuffer& x, const ffi::AnyBuffer& lse,
                        const ffi::RemainingRets& rets, bool base2, bool return_lse, DcpShape& shape,
@@ -106,14 +130,7 @@ ffi::Future DcpA2aHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::AnyBu
   const auto* in_lse = static_cast<const float*>(lse.untyped_data());
   auto* out = static_cast<Pack*>(y->untyped_data());
   if (handle.group->options().poison_outputs) std::memset(out, 0xFF, y->size_bytes());  // NaN everywhere
-  HostCall call;
-  call.handle = handle;
-  call.stage = [s, in, in_lse](const ChannelView& v, uint32_t epoch) { stage_rows(v, s, epoch & 1, in, in_lse); };
-  call.finish = [s, in, in_lse, out, out_lse, merge](const ChannelView& v, uint32_t epoch) {
-    merge(v, s, epoch & 1, in, in_lse, out, out_lse);
-  };
-  call.promise = promise;
-  submit_host_call(std::move(call));
+  submit_host_call(std::make_unique<DcpCall>(handle, promise, s, merge, in, in_lse, out, out_lse));
   return future;
 }
 

@@ -4,16 +4,14 @@
 #include <cstring>
 #include <new>
 #include <stdexcept>
-#include <utility>
 
+#include "../lamport.h"
 #include "../protocol.h"
 #include "host_memory.h"
 #include "progress.h"
 
 namespace b12x {
 namespace {
-
-size_t rounded(size_t bytes) { return (bytes + 127) / 128 * 128; }
 
 class HostGroup final : public ChannelGroup {
  public:
@@ -22,9 +20,12 @@ class HostGroup final : public ChannelGroup {
     const int world = this->world();
     ChannelView view = host_base_view(options, world);
     for (int r = 0; r < world; ++r) {
-      view.signals[r] = static_cast<Signal*>(zeroed(sizeof(Signal)));
-      view.staging[r] = static_cast<char*>(zeroed(view.layout.total_bytes()));
-      host_errors_.push_back(static_cast<ErrorRecord*>(zeroed(sizeof(ErrorRecord))));
+      view.signals[r] = static_cast<Signal*>(filled(sizeof(Signal), 0));
+      view.staging[r] = static_cast<char*>(filled(view.layout.total_bytes(), 0));
+      if (view.lamport_layout.lamport_region_bytes() > 0) {
+        view.lamport[r] = static_cast<char*>(filled(view.lamport_layout.lamport_region_bytes(), kLamportEmptyByte));
+      }
+      host_errors_.push_back(static_cast<ErrorRecord*>(filled(sizeof(ErrorRecord), 0)));
     }
     for (int r = 0; r < world; ++r) {
       view.rank = r;
@@ -34,39 +35,54 @@ class HostGroup final : public ChannelGroup {
   }
 
   ~HostGroup() override {
-    for (const auto& [p, bytes] : allocations_) std::free(p);
+    for (const Allocation& a : allocations_) std::free(a.p);
   }
 
   bool reset() override {
-    for (const auto& [p, bytes] : allocations_) std::memset(p, 0, bytes);
+    for (const Allocation& a : allocations_) std::memset(a.p, a.fill, a.bytes);
     return true;
   }
 
   uint32_t read_calls(int rank) const override { return read_host_calls(views_[rank]); }
   bool read_poisoned(int rank) const override { return read_host_poisoned(views_[rank]); }
   bool wait_idle() const override { return wait_host_calls(this, host_idle_bound_s(options_)); }
+  void start_counters(uint32_t calls) const override { start_host_counters(*this, calls); }
 
  private:
-  void* zeroed(size_t bytes) {
-    void* p = std::aligned_alloc(128, rounded(bytes));
+  struct Allocation {
+    void* p;
+    size_t bytes;
+    int fill;  // the byte it was allocated with (and is reset to)
+  };
+
+  void* filled(size_t bytes, int fill) {
+    const size_t rounded = (bytes + 127) / 128 * 128;
+    void* p = std::aligned_alloc(128, rounded);
     if (p == nullptr) throw std::bad_alloc();
-    allocations_.emplace_back(p, rounded(bytes));
-    std::memset(p, 0, rounded(bytes));
+    allocations_.push_back({p, rounded, fill});
+    std::memset(p, fill, rounded);
     return p;
   }
 
-  std::vector<std::pair<void*, size_t>> allocations_;  // every allocation, with its size
+  std::vector<Allocation> allocations_;
 };
 
 }  // namespace
 
-ChannelView host_base_view(ChannelOptions options, int world) {
-  options.lamport_bytes = 0;
-  return base_view(options, world, 1);
-}
+ChannelView host_base_view(const ChannelOptions& options, int world) { return base_view(options, world, 1); }
 
 uint32_t read_host_calls(const ChannelView& v) {
-  return HostMem::load_relaxed(&v.signals[v.rank]->counter[0][epoch_peer(v.rank)]);
+  const Signal* own = v.signals[v.rank];
+  return HostMem::load_relaxed(&own->counter[0][epoch_peer(v.rank)]) + HostMem::load_relaxed(&own->lamport_calls[0]);
+}
+
+void start_host_counters(const ChannelGroup& group, uint32_t calls) {
+  if (!wait_host_calls(&group, host_idle_bound_s(group.options()))) {
+    throw std::runtime_error("b12x_jax: start_counters on channel '" + group.channel() + "' with calls still queued");
+  }
+  for (int r = 0; r < group.world(); ++r) {
+    if (group.is_local(r)) start_signal_counters(*group.view(r).signals[r], calls);
+  }
 }
 
 bool read_host_poisoned(const ChannelView& v) { return HostMem::load_relaxed(&v.signals[v.rank]->poisoned) != 0; }

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <thread>
 
+#include "../numeric.h"
+
 namespace b12x {
 
 struct HostMem {
@@ -20,9 +22,21 @@ struct HostMem {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(
                std::chrono::steady_clock::now().time_since_epoch()).count();
   }
-  // Host waits poll through peer_arrived (cpu/progress.cc) and never spin
+  // Host waits poll through check_arrival (cpu/progress.cc) and never spin
   // here; the policy still supplies it for protocol.h's blocking wait.
   static void pause() { std::this_thread::yield(); }
+  // After the barrier the staged data is ordered by the flag's acquire.
+  static Pack load_staged(const Pack* p) { return *p; }
+  // Lamport data a peer may be writing: each 32-bit word atomically, the
+  // unit in which arrival is decided (lamport.h).
+  static Pack load_volatile(const Pack* p) {
+    Pack x;
+    for (int w = 0; w < 4; ++w) x.words[w] = __atomic_load_n(&p->words[w], __ATOMIC_RELAXED);
+    return x;
+  }
+  static void store_pack(Pack* p, const Pack& x) {
+    for (int w = 0; w < 4; ++w) __atomic_store_n(&p->words[w], x.words[w], __ATOMIC_RELAXED);
+  }
 };
 
 }  // namespace b12x

@@ -17,8 +17,9 @@ namespace b12x {
 namespace {
 
 struct Pending {
-  HostCall call;
-  bool staged = false;
+  std::unique_ptr<HostCall> call;
+  int phase = 0;
+  bool started = false;  // phase `phase` pushed and announced
   uint64_t deadline_ns = 0;
 };
 
@@ -50,9 +51,10 @@ class ProgressEngine {
     }
   }
 
-  void submit(HostCall call) {
+  void submit(std::unique_ptr<HostCall> call) {
     std::lock_guard lock(mutex_);
-    queues_[{call.handle.group, call.handle.rank}].push_back(Pending{std::move(call)});
+    const auto key = std::make_pair(call->handle.group, call->handle.rank);
+    queues_[key].push_back(Pending{std::move(call)});
     ++pending_;
     wake_.notify_one();
   }
@@ -83,30 +85,26 @@ class ProgressEngine {
 
   // Moves the head call of one rank forward; true when it completed.
   static bool advance(Pending& p) {
-    const ChannelView& v = p.call.handle.view();
-    if (!p.staged) {
-      if (channel_poisoned<HostMem>(v)) {
-        return fail(p, timeout_message(*p.call.handle.group, p.call.handle.rank));
+    HostCall& call = *p.call;
+    const ChannelView& v = call.handle.view();
+    for (;;) {
+      if (!p.started) {
+        // A failed channel fails fast (C8): nothing is pushed.
+        if (p.phase == 0 && channel_poisoned<HostMem>(v)) return fail(p);
+        call.start(v, p.phase);
+        p.deadline_ns = HostMem::now_ns() + v.timeout_ns;
+        p.started = true;
       }
-      p.call.epoch = next_epoch<HostMem>(v, 0);
-      p.call.stage(v, p.call.epoch);
-      for (int peer = 0; peer < v.world; ++peer) {
-        if (peer != v.rank) arrive<HostMem>(v, 0, peer, p.call.epoch);
-      }
-      p.deadline_ns = HostMem::now_ns() + v.timeout_ns;
-      p.staged = true;
-    }
-    for (int peer = 0; peer < v.world; ++peer) {
-      if (peer == v.rank) continue;
-      const auto arrived = [&] { return peer_arrived<HostMem>(v, 0, peer, p.call.epoch); };
-      switch (poll_peer<HostMem>(v, peer, p.call.epoch, p.deadline_ns, arrived)) {
-        case PeerState::kArrived: continue;
+      switch (call.poll(v, p.phase, p.deadline_ns)) {
         case PeerState::kPending: return false;
-        case PeerState::kFailed: return fail(p, timeout_message(*p.call.handle.group, p.call.handle.rank));
+        case PeerState::kFailed: return fail(p);
+        case PeerState::kArrived: break;
       }
+      p.started = false;
+      if (++p.phase == call.phases()) break;
     }
-    p.call.finish(v, p.call.epoch);
-    complete(std::move(p.call.promise), std::nullopt);
+    call.finish(v);
+    complete(std::move(call.promise), std::nullopt);
     return true;
   }
 
@@ -123,8 +121,9 @@ class ProgressEngine {
     }).detach();
   }
 
-  static bool fail(Pending& p, const std::string& message) {
-    complete(std::move(p.call.promise), xla::ffi::Error::Internal(message));
+  static bool fail(Pending& p) {
+    const std::string message = timeout_message(*p.call->handle.group, p.call->handle.rank);
+    complete(std::move(p.call->promise), xla::ffi::Error::Internal(message));
     return true;
   }
 
@@ -136,7 +135,7 @@ class ProgressEngine {
 
 }  // namespace
 
-void submit_host_call(HostCall call) { ProgressEngine::get().submit(std::move(call)); }
+void submit_host_call(std::unique_ptr<HostCall> call) { ProgressEngine::get().submit(std::move(call)); }
 
 bool wait_host_calls(const ChannelGroup* group, double seconds) {
   return ProgressEngine::get().wait_idle(group, seconds);

@@ -6,32 +6,49 @@
 // queueing rank 0 and rank 1 of one call on the same pool thread (jax 0.11.2,
 // 2 cores), so a handler that blocks until its peers arrive deadlocks. The
 // handlers therefore only submit the call and return a future; this thread
-// stages, meets the peers and reduces, one call at a time per rank, which
-// also gives each channel the in-order execution the protocol relies on
-// (protocol.h: one barrier per call).
+// stages, polls the peers and reduces, one call at a time per rank, which
+// also gives each channel the in-order execution the protocols rely on
+// (protocol.h: one barrier per call; lamport.h: three buffers). It never
+// blocks on a peer: every look at one is a bounded poll (protocol.h
+// poll_peer), and while a call waits the thread moves on to other ranks.
 #pragma once
 
 #include <cstddef>
-#include <functional>
+#include <cstdint>
+#include <memory>
+#include <utility>
 
+#include "../protocol.h"
 #include "../registry.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace b12x {
 
-// One submitted collective of one rank. `stage` runs once, when every earlier
-// call of the same rank and channel finished; it pushes the payload and
-// announces the epoch. `finish` runs once every peer announced it.
-struct HostCall {
+// One submitted collective of one rank, in phases (a barrier each, or one
+// Lamport exchange: cpu/host_calls.h). Phase p starts once every earlier
+// call of the same rank and channel finished and phase p - 1 passed; it is
+// then polled until every peer is there; `finish` runs after the last.
+class HostCall {
+ public:
+  HostCall(RankHandle handle, xla::ffi::Promise promise) : handle(handle), promise(std::move(promise)) {}
+  virtual ~HostCall() = default;
+
+  virtual int phases() const { return 1; }
+  // Pushes phase `phase`'s data and announces it.
+  virtual void start(const ChannelView& v, int phase) = 0;
+  // One look at every peer: kArrived once all are there; kFailed with the
+  // error recorded and the channel poisoned (a timeout at `deadline_ns`, or
+  // a peer at another call).
+  virtual PeerState poll(const ChannelView& v, int phase, uint64_t deadline_ns) = 0;
+  // Writes the outputs, after the last phase.
+  virtual void finish(const ChannelView& v) = 0;
+
   RankHandle handle;
-  uint32_t epoch = 0;
-  std::function<void(const ChannelView&, uint32_t epoch)> stage;
-  std::function<void(const ChannelView&, uint32_t epoch)> finish;
   xla::ffi::Promise promise;
 };
 
 // Queues `call` behind the earlier calls of its rank and channel.
-void submit_host_call(HostCall call);
+void submit_host_call(std::unique_ptr<HostCall> call);
 
 // True once no call of `group` is queued or running on the progress thread;
 // false if none of them finished for `seconds`.

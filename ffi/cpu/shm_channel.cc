@@ -10,6 +10,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "../lamport.h"
 #include "host_channel.h"
 #include "progress.h"
 
@@ -21,8 +22,11 @@ std::runtime_error posix_error(const std::string& what, const std::string& name)
 }
 
 // A segment's layout: the Signal first (its size keeps the 128-byte
-// alignment), the staging region after it.
-size_t segment_bytes(const StagingLayout& layout) { return sizeof(Signal) + layout.total_bytes(); }
+// alignment), the staging region after it, then the Lamport region (cells
+// are multiples of 16 bytes, so it stays 16-byte aligned).
+size_t segment_bytes(const ChannelView& v) {
+  return sizeof(Signal) + v.layout.total_bytes() + v.lamport_layout.lamport_region_bytes();
+}
 
 class ShmGroup final : public SharedGroup {
  public:
@@ -30,7 +34,9 @@ class ShmGroup final : public SharedGroup {
       : SharedGroup(channel, Platform::kHost, std::move(ordinals), options) {
     const int world = this->world();
     const ChannelView view = host_base_view(options, world);
-    layout_ = view.layout;
+    bytes_ = segment_bytes(view);
+    lamport_offset_ = sizeof(Signal) + view.layout.total_bytes();
+    has_lamport_ = view.lamport_layout.lamport_region_bytes() > 0;
     views_.assign(world, view);
     host_errors_.assign(world, nullptr);
     names_.assign(world, std::string());
@@ -41,7 +47,7 @@ class ShmGroup final : public SharedGroup {
         // O_EXCL: never attach to a stale segment; ftruncate zero-fills it.
         const int fd = shm_open(names_[r].c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
         if (fd < 0) throw posix_error("shm_open", names_[r]);
-        const bool sized = ftruncate(fd, static_cast<off_t>(segment_bytes(layout_))) == 0;
+        const bool sized = ftruncate(fd, static_cast<off_t>(bytes_)) == 0;
         void* base = sized ? map(fd) : MAP_FAILED;
         close(fd);
         if (base == MAP_FAILED) {
@@ -49,6 +55,8 @@ class ShmGroup final : public SharedGroup {
           throw posix_error(sized ? "mmap" : "ftruncate", names_[r]);
         }
         exports_.push_back(base);
+        // Every Lamport word starts empty, before any peer can open it.
+        std::memset(static_cast<char*>(base) + lamport_offset_, kLamportEmptyByte, bytes_ - lamport_offset_);
         place(r, base);
         host_errors_[r] = new ErrorRecord{};
         views_[r].rank = r;
@@ -68,7 +76,7 @@ class ShmGroup final : public SharedGroup {
     const int fd = shm_open(name.c_str(), O_RDWR, 0);
     if (fd < 0) throw posix_error("shm_open", name);
     struct stat st {};
-    const bool fits = fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == segment_bytes(layout_);
+    const bool fits = fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes_;
     void* base = fits ? map(fd) : MAP_FAILED;
     close(fd);
     if (!fits) {
@@ -85,13 +93,14 @@ class ShmGroup final : public SharedGroup {
   void opened_everywhere() override { unlink_all(); }
 
   void close_imports() override {
-    for (void* p : imports_) munmap(p, segment_bytes(layout_));
+    for (void* p : imports_) munmap(p, bytes_);
     imports_.clear();
   }
 
   uint32_t read_calls(int rank) const override { return read_host_calls(views_[rank]); }
   bool read_poisoned(int rank) const override { return read_host_poisoned(views_[rank]); }
   bool wait_idle() const override { return wait_host_calls(this, host_idle_bound_s(options_)); }
+  void start_counters(uint32_t calls) const override { start_host_counters(*this, calls); }
 
  private:
   // "/b12x.<pid>.<n>.r<rank>": unique on the host while this process lives.
@@ -100,13 +109,14 @@ class ShmGroup final : public SharedGroup {
     return "/b12x." + std::to_string(getpid()) + "." + std::to_string(next++) + ".r" + std::to_string(rank);
   }
 
-  void* map(int fd) const { return mmap(nullptr, segment_bytes(layout_), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0); }
+  void* map(int fd) const { return mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0); }
 
   // Points every local view at rank `rank`'s segment.
   void place(int rank, void* base) {
     for (ChannelView& v : views_) {
       v.signals[rank] = static_cast<Signal*>(base);
       v.staging[rank] = static_cast<char*>(base) + sizeof(Signal);
+      v.lamport[rank] = has_lamport_ ? static_cast<char*>(base) + lamport_offset_ : nullptr;
     }
   }
 
@@ -119,7 +129,7 @@ class ShmGroup final : public SharedGroup {
 
   void free_all() {
     close_imports();
-    for (void* p : exports_) munmap(p, segment_bytes(layout_));
+    for (void* p : exports_) munmap(p, bytes_);
     exports_.clear();
     unlink_all();
     for (ErrorRecord*& record : host_errors_) {
@@ -128,7 +138,9 @@ class ShmGroup final : public SharedGroup {
     }
   }
 
-  StagingLayout layout_{};
+  size_t bytes_ = 0;           // of one segment, equal on every rank
+  size_t lamport_offset_ = 0;  // where its Lamport region starts
+  bool has_lamport_ = false;
   std::vector<std::string> names_;  // per rank: the local segments' names until opened everywhere
   std::vector<void*> exports_;      // local segments
   std::vector<void*> imports_;      // remote ranks' segments

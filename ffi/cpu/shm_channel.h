@@ -10,8 +10,9 @@
 
 namespace b12x {
 
-// Creates one zero-filled shared-memory segment per local rank (Signal, then
-// staging) and a private error record; `ordinals[r]` is kRemoteRank for the
+// Creates one shared-memory segment per local rank (Signal and staging
+// zero-filled, then the Lamport region filled with the empty word) and a
+// private error record; `ordinals[r]` is kRemoteRank for the
 // ranks other processes hold, whose segments `open` maps by name.
 std::unique_ptr<SharedGroup> make_shm_group(const std::string& channel, std::vector<int> ordinals,
                                             const ChannelOptions& options);

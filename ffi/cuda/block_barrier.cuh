@@ -8,29 +8,39 @@
 
 namespace b12x {
 
-// Block `block` of this rank meets block `block` of every peer at `epoch`:
-// thread t serves peer t, announcing after every push of the block was
-// issued, then waiting (bounded, C8) for the peer's announcement. False when
-// a wait timed out: the channel is then poisoned, the error recorded, and the
-// whole block must return without reading staging. Every thread of the block
-// must call it.
-__device__ __forceinline__ bool block_barrier(const ChannelView& v, int block, uint32_t epoch) {
+// Block `block` of this rank meets block `block` of every peer at `epoch` of
+// call `tag`: thread t serves peer t, announcing after every push of the
+// block was issued, then waiting (bounded, C8) for the peer's announcement
+// of the same call. False when a wait failed (timeout, or the peer at
+// another call): the channel is then poisoned, the error recorded, and the
+// whole block must return without reading staging. Every thread of the
+// block must call it.
+__device__ __forceinline__ bool block_barrier(const ChannelView& v, int block, uint32_t epoch, const CallTag& tag) {
   __shared__ int timed_out;
   if (threadIdx.x == 0) timed_out = 0;
   __syncthreads();  // all pushes of this block are issued before any flag
   const int peer = threadIdx.x;
   if (peer < v.world && peer != v.rank) {
-    arrive<CudaMem>(v, block, peer, epoch);
-    if (!wait<CudaMem>(v, block, peer, epoch, CudaMem::now_ns() + v.timeout_ns)) timed_out = 1;
+    arrive<CudaMem>(v, block, peer, epoch, tag);
+    if (!wait<CudaMem>(v, block, peer, epoch, tag, CudaMem::now_ns() + v.timeout_ns)) timed_out = 1;
   }
   __syncthreads();
   return timed_out == 0;
 }
 
 // What a block leaves in its `n` output packs when its call cannot finish
-// (poisoned channel, timed-out wait): NaN, so a lost result is never silent.
+// (poisoned channel, failed wait): NaN, so a lost result is never silent.
 __device__ __forceinline__ void fill_nan(Pack* out, size_t n) {
   for (size_t i = threadIdx.x; i < n; i += blockDim.x) out[i] = nan_pack();
 }
+
+// The thread mapping of the shared steps (all_reduce.h): thread t of the
+// block takes packs t, t + blockDim.x, ...
+struct BlockThreads {
+  template <class Fn>
+  __device__ __forceinline__ void operator()(size_t n, Fn fn) const {
+    for (size_t i = threadIdx.x; i < n; i += blockDim.x) fn(i);
+  }
+};
 
 }  // namespace b12x

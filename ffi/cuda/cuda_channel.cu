@@ -9,7 +9,7 @@
 
 #include "../protocol.h"
 #include "cuda_memory.cuh"
-#include "lamport.cuh"
+#include "../lamport.h"
 
 namespace b12x {
 namespace {
@@ -94,8 +94,9 @@ class CudaGroup final : public ChannelGroup {
         B12X_CUDA_CHECK(cudaSetDevice(ordinals_[r]));
         view.signals[r] = static_cast<Signal*>(device_alloc(r, sizeof(Signal), 0));
         view.staging[r] = static_cast<char*>(device_alloc(r, layout.total_bytes(), 0));
-        if (lamport_layout.total_bytes() > 0) {
-          view.lamport[r] = static_cast<char*>(device_alloc(r, lamport_layout.total_bytes(), kLamportEmptyByte));
+        if (lamport_layout.lamport_region_bytes() > 0) {
+          view.lamport[r] =
+              static_cast<char*>(device_alloc(r, lamport_layout.lamport_region_bytes(), kLamportEmptyByte));
         }
         ErrorRecord* record = nullptr;
         B12X_CUDA_CHECK(cudaHostAlloc(&record, sizeof(ErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable));
@@ -149,6 +150,9 @@ class CudaGroup final : public ChannelGroup {
   }
   bool read_poisoned(int rank) const override {
     return read_device_poisoned(ordinals_[rank], views_[rank].signals[rank]);
+  }
+  void start_counters(uint32_t calls) const override {
+    for (int r = 0; r < world(); ++r) start_device_counters(ordinals_[r], views_[r].signals[r], calls);
   }
 
  private:
@@ -233,6 +237,16 @@ uint32_t read_device_calls(int ordinal, const Signal* signal, int rank) {
   cudaMemcpy(&barrier, &signal->counter[0][epoch_peer(rank)], sizeof(barrier), cudaMemcpyDeviceToHost);
   cudaMemcpy(&lamport, &signal->lamport_calls[0], sizeof(lamport), cudaMemcpyDeviceToHost);
   return barrier + lamport;
+}
+
+void start_device_counters(int ordinal, Signal* signal, uint32_t calls) {
+  DeviceGuard guard;
+  B12X_CUDA_CHECK(cudaSetDevice(ordinal));
+  B12X_CUDA_CHECK(cudaDeviceSynchronize());  // no call of this channel may be running
+  Signal host;
+  B12X_CUDA_CHECK(cudaMemcpy(&host, signal, sizeof(Signal), cudaMemcpyDeviceToHost));
+  start_signal_counters(host, calls);
+  B12X_CUDA_CHECK(cudaMemcpy(signal, &host, sizeof(Signal), cudaMemcpyHostToDevice));
 }
 
 bool read_device_poisoned(int ordinal, const Signal* signal) {

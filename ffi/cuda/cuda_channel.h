@@ -24,9 +24,12 @@ int resolve_max_blocks(const ChannelOptions& options, const std::vector<int>& or
 // Host-side reads of a rank's signal region on device `ordinal` (stats).
 uint32_t read_device_calls(int ordinal, const Signal* signal, int rank);
 bool read_device_poisoned(int ordinal, const Signal* signal);
+// Writes the counters of protocol.h start_signal_counters into a rank's
+// signal region on device `ordinal` (ChannelGroup::start_counters).
+void start_device_counters(int ordinal, Signal* signal, uint32_t calls);
 
 // Allocates and zero-fills Signal, staging and a mapped host error record per
-// rank, and Lamport buffers filled with the "empty" word (lamport.cuh).
+// rank, and Lamport buffers filled with the "empty" word (lamport.h).
 // `options.max_blocks` is the largest grid a call may use; it must fit on the
 // GPU at once (DESIGN C10) and is checked against the SM count here; 0
 // takes the largest that fits, up to kMaxBlocks.

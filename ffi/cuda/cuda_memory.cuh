@@ -36,14 +36,24 @@ struct CudaMem {
     return t;
   }
   static __device__ __forceinline__ void pause() {}
+  // A staged pack, read through L2 (.cg): L1 is not coherent with the peers'
+  // writes.
+  static __device__ __forceinline__ Pack load_staged(const Pack* p) {
+    const uint4 w = __ldcg(reinterpret_cast<const uint4*>(p));
+    return Pack{{w.x, w.y, w.z, w.w}};
+  }
+  // A load that goes to memory every time (a peer's store must become
+  // visible to a spinning reader: no L1, no register reuse).
+  static __device__ __forceinline__ Pack load_volatile(const Pack* p) {
+    Pack x;
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(x.words[0]), "=r"(x.words[1]), "=r"(x.words[2]), "=r"(x.words[3])
+                 : "l"(p)
+                 : "memory");
+    return x;
+  }
+  static __device__ __forceinline__ void store_pack(Pack* p, const Pack& x) { *p = x; }
 };
-
-// A staged pack, read through L2 (.cg): L1 is not coherent with the peers'
-// writes.
-__device__ __forceinline__ Pack load_l2(const Pack* p) {
-  const uint4 w = __ldcg(reinterpret_cast<const uint4*>(p));
-  return Pack{{w.x, w.y, w.z, w.w}};
-}
 
 // Restores the calling thread's current device when setup is done.
 class DeviceGuard {

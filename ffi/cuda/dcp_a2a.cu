@@ -30,10 +30,11 @@ constexpr size_t kBytesPerBlock = 8 * 1024;
 // only its own staging cells, so blocks never wait on each other.
 template <DType D>
 __global__ void __launch_bounds__(kThreads)
-    dcp_a2a_kernel(ChannelView v, DcpShape s, int per_block, const Pack* __restrict__ in,
+    dcp_a2a_kernel(ChannelView v, DcpShape s, DcpPlan plan, const Pack* __restrict__ in,
                    const float* __restrict__ in_lse, Pack* __restrict__ out, float* __restrict__ out_lse) {
   const int block = blockIdx.x;
   const int row_packs = s.row_packs;
+  const int per_block = plan.per_block;
   const int lo = block * per_block;
   const int n = lo < s.rows() ? min(per_block, s.rows() - lo) : 0;
   // A call that cannot finish leaves NaN in its rows, never a stale result.
@@ -65,7 +66,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   // 2. Meet the peers (C6); on a timeout nothing staged may be read.
-  if (!block_barrier(v, block, epoch)) return fail();
+  if (!block_barrier(v, block, epoch, plan.tag(s))) return fail();
 
   // 3. Merge, in chunks of kThreads rows: one thread per row turns the lse
   //    of every source into weights, then every thread merges packs. Staged
@@ -104,7 +105,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int q = 0; q < kMaxRanks; ++q) {
         if (q < v.world && scales[r][q] != 0.0f) {
-          src[q] = q == v.rank ? in[own] : load_l2(payload[q] + staged_at);
+          src[q] = q == v.rank ? in[own] : CudaMem::load_staged(payload[q] + staged_at);
         }
       }
       float acc[Elements<D>::kCount] = {};
@@ -152,9 +153,9 @@ ffi::Error DcpA2aCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::Any
     if (out_lse != nullptr) cudaMemsetAsync(out_lse, 0xFF, static_cast<size_t>(s.rows()) * sizeof(float), stream);
   }
   if (x.element_type() == ffi::DataType::BF16) {
-    dcp_a2a_kernel<DType::kBF16><<<plan.grid, kThreads, 0, stream>>>(v, s, plan.per_block, in, in_lse, out, out_lse);
+    dcp_a2a_kernel<DType::kBF16><<<plan.grid, kThreads, 0, stream>>>(v, s, plan, in, in_lse, out, out_lse);
   } else {
-    dcp_a2a_kernel<DType::kF16><<<plan.grid, kThreads, 0, stream>>>(v, s, plan.per_block, in, in_lse, out, out_lse);
+    dcp_a2a_kernel<DType::kF16><<<plan.grid, kThreads, 0, stream>>>(v, s, plan, in, in_lse, out, out_lse);
   }
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {

@@ -10,7 +10,7 @@
 
 #include "cuda_channel.h"
 #include "cuda_memory.cuh"
-#include "lamport.cuh"
+#include "../lamport.h"
 
 namespace b12x {
 namespace {
@@ -33,7 +33,7 @@ class IpcGroup final : public SharedGroup {
     host_errors_.assign(world, nullptr);
     B12X_CUDA_CHECK(cudaSetDevice(ordinals_[local]));
     try {
-      const size_t bytes[kRegions] = {sizeof(Signal), view.layout.total_bytes(), view.lamport_layout.total_bytes()};
+      const size_t bytes[kRegions] = {sizeof(Signal), view.layout.total_bytes(), view.lamport_layout.lamport_region_bytes()};
       const int fill[kRegions] = {0, 0, kLamportEmptyByte};
       for (int region = 0; region < kRegions; ++region) {
         if (bytes[region] == 0) continue;
@@ -102,6 +102,9 @@ class IpcGroup final : public SharedGroup {
   }
   bool read_poisoned(int rank) const override {
     return read_device_poisoned(ordinals_[rank], static_cast<const Signal*>(exports_[kSignals]));
+  }
+  void start_counters(uint32_t calls) const override {
+    start_device_counters(ordinals_[local_], static_cast<Signal*>(exports_[kSignals]), calls);
   }
 
  private:

@@ -47,14 +47,14 @@ __device__ __forceinline__ float block_sum(float x) {
 // row is normalised.
 template <DType D>
 __global__ void __launch_bounds__(kThreads)
-    residual_rmsnorm_kernel(ChannelView v, RowsShape s, int rows_per_block, float eps, const Pack* __restrict__ in,
+    residual_rmsnorm_kernel(ChannelView v, RowsShape s, RowsPlan plan, float eps, const Pack* __restrict__ in,
                             const Pack* __restrict__ residual, const Pack* __restrict__ weight,
                             Pack* __restrict__ normed, Pack* __restrict__ residual_out) {
-  const int first = blockIdx.x * rows_per_block;
-  const int rows = first < s.rows ? min(rows_per_block, s.rows - first) : 0;
+  const int first = blockIdx.x * plan.rows_per_block;
+  const int rows = first < s.rows ? min(plan.rows_per_block, s.rows - first) : 0;
   const size_t lo = static_cast<size_t>(first) * s.row_packs;
   const size_t n = static_cast<size_t>(rows) * s.row_packs;
-  const bool done = lamport_exchange<kThreads>(v, in + lo, n, [&](size_t i, const Pack* staged) {
+  const bool done = lamport_exchange<kThreads>(v, plan.tag(s), in + lo, n, [&](size_t i, const Pack* staged) {
     const Pack res = residual[lo + i];
     residual_out[lo + i] = sum_in_rank_order<D>(staged, v.world, &res);
   });
@@ -88,15 +88,8 @@ ffi::Error ResidualRmsnormCuda(cudaStream_t stream, int32_t ordinal, ffi::Token,
   RowsShape s{};
   const std::string problem = rows_call_shape(x, residual, weight, s);
   if (!problem.empty()) return ffi::Error::InvalidArgument(problem);
-  const StagingLayout& cells = v.lamport_layout;
-  const int rows_per_block = (s.rows + cells.max_blocks - 1) / cells.max_blocks;
-  if (static_cast<size_t>(rows_per_block) * s.row_packs * kPackBytes > cells.block_bytes) {
-    return ffi::Error::InvalidArgument(op + std::to_string(s.rows) + " rows of " +
-                                       std::to_string(s.row_packs * kPackBytes) + " bytes do not fit the channel's " +
-                                       std::to_string(cells.max_blocks) + " Lamport cells of " +
-                                       std::to_string(cells.block_bytes) + " bytes; raise Communicator(lamport_bytes=...)");
-  }
-  const int grid = (s.rows + rows_per_block - 1) / rows_per_block;
+  const RowsPlan plan = plan_rows(s, v.lamport_layout);
+  if (plan.grid == 0) return ffi::Error::InvalidArgument(rows_capacity_message(s, v.lamport_layout));
   const size_t bytes = x.size_bytes();
   auto* out = static_cast<Pack*>(normed->untyped_data());
   auto* res_out = static_cast<Pack*>(residual_out->untyped_data());
@@ -109,16 +102,13 @@ ffi::Error ResidualRmsnormCuda(cudaStream_t stream, int32_t ordinal, ffi::Token,
   const auto* w = static_cast<const Pack*>(weight.untyped_data());
   switch (x.element_type()) {
     case ffi::DataType::F32:
-      residual_rmsnorm_kernel<DType::kF32><<<grid, kThreads, 0, stream>>>(v, s, rows_per_block, eps, in, res, w, out,
-                                                                          res_out);
+      residual_rmsnorm_kernel<DType::kF32><<<plan.grid, kThreads, 0, stream>>>(v, s, plan, eps, in, res, w, out, res_out);
       break;
     case ffi::DataType::BF16:
-      residual_rmsnorm_kernel<DType::kBF16><<<grid, kThreads, 0, stream>>>(v, s, rows_per_block, eps, in, res, w, out,
-                                                                           res_out);
+      residual_rmsnorm_kernel<DType::kBF16><<<plan.grid, kThreads, 0, stream>>>(v, s, plan, eps, in, res, w, out, res_out);
       break;
     case ffi::DataType::F16:
-      residual_rmsnorm_kernel<DType::kF16><<<grid, kThreads, 0, stream>>>(v, s, rows_per_block, eps, in, res, w, out,
-                                                                          res_out);
+      residual_rmsnorm_kernel<DType::kF16><<<plan.grid, kThreads, 0, stream>>>(v, s, plan, eps, in, res, w, out, res_out);
       break;
     default:
       return ffi::Error::InvalidArgument(op + "dtype must be float32, bfloat16 or float16");

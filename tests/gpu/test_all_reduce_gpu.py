@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import b12x_jax
 from b12x_jax import _b12x
 from conftest import requires_2_gpus, run_worker
-from helpers import DTYPES, assert_sum_matches, fresh_communicator, random_shards
+from helpers import DTYPES, assert_names_both_calls, assert_sum_matches, fresh_communicator, random_shards
 
 pytestmark = [pytest.mark.gpu, requires_2_gpus]
 N = 2
@@ -152,6 +152,16 @@ def test_a_failed_peer_probe_lowers_to_psum_or_raises_under_strict(monkeypatch):
 def test_close_with_calls_still_queued_on_gpus_waits_for_every_one_of_them():
   result = run_worker("close_pending", "--platform", "gpu", "--runs", "200", hard_timeout=300)
   assert result["right"] == 200 and result["failed"] == 0 and result["prepared"] == [], result
+
+
+@pytest.mark.parametrize("lamport_bytes, algorithm", [(1 << 20, "auto"), (0, "one_shot"), (0, "two_shot")],
+                         ids=["lamport", "one_shot", "two_shot"])
+def test_ranks_at_different_calls_on_one_channel_leave_nan_and_name_both_calls(lamport_bytes, algorithm):
+  result = run_worker("mismatch", "--platform", "gpu", "--timeout", "5.0", "--lamport-bytes", str(lamport_bytes),
+                      "--algorithm", algorithm, hard_timeout=120)
+  assert result["finite"] is False, result  # the kernels' outputs are NaN, never a sum of mixed data
+  assert result["seconds"] < 5, result
+  assert_names_both_calls(result["messages"], "lamport" if lamport_bytes else algorithm)
 
 
 @pytest.mark.parametrize("algorithm", ["two_shot", "one_shot_pull"])
