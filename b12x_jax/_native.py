@@ -46,14 +46,16 @@ def _has_gpu_backend() -> bool:
     return False
 
 
-def channel_options(*, capacity_bytes: int, lamport_bytes: int, timeout_s: float, max_blocks: int | None,
-                    poison_outputs: bool):
+def channel_options(*, capacity_bytes: int, lamport_bytes: int, timeout_s: float, setup_timeout_s: float,
+                    max_blocks: int | None, poison_outputs: bool):
   """The native ChannelOptions every transport is prepared with. The Lamport
-  window never exceeds the capacity; max_blocks None means "as many as fit"."""
+  window never exceeds the capacity; max_blocks None means "as many as fit";
+  a channel's first call waits up to setup_timeout_s for its peers."""
   options = _b12x.ChannelOptions()
   options.capacity_bytes = capacity_bytes
   options.lamport_bytes = min(lamport_bytes, capacity_bytes)
   options.timeout_s = timeout_s
+  options.setup_timeout_s = setup_timeout_s
   options.max_blocks = max_blocks or 0
   options.poison_outputs = poison_outputs
   return options

@@ -89,7 +89,10 @@ class Communicator:
       kernel writes it, so an element a kernel misses shows up. Costs a memset.
     setup_timeout_s: bound on each collective step of preparing or releasing
       a channel shared between processes (a process that never joins gives
-      the others CollectiveTimeoutError), default 60 s.
+      the others CollectiveTimeoutError), and on the waits of the first call
+      after each preparation of a channel shared between processes: they
+      reach it seconds to minutes apart (compilation, weight loading), which
+      is no fault. Default 60 s.
     algorithm: all_reduce above the Lamport window: "one_shot" (push),
       "two_shot" (reduce-scatter + all-gather), "one_shot_pull" (peers read
       each other's staging; kept to measure against push), or "auto": by
@@ -270,10 +273,13 @@ class Communicator:
         return
       if len({d.id for d in group}) != len(group):
         raise ChannelError(f"b12x_jax: device group {[d.id for d in group]} names a device twice")
-      options = _native.channel_options(capacity_bytes=self.capacity_bytes, lamport_bytes=self.lamport_bytes,
-                                        timeout_s=self.timeout_s, max_blocks=self.max_blocks,
-                                        poison_outputs=self.poison_outputs)
       processes = {d.process_index for d in group}
+      # Processes reach a channel's first call apart (compilation, weight
+      # loading); the devices of one process start an executable together.
+      first_call_s = self.setup_timeout_s if len(processes) > 1 else self.timeout_s
+      options = _native.channel_options(capacity_bytes=self.capacity_bytes, lamport_bytes=self.lamport_bytes,
+                                        timeout_s=self.timeout_s, setup_timeout_s=first_call_s,
+                                        max_blocks=self.max_blocks, poison_outputs=self.poison_outputs)
       if len(processes) == 1:
         _native.prepare(platform, channel, list(ordinals), options)
       else:

@@ -134,6 +134,7 @@ NB_MODULE(_b12x, m) {
       .def_rw("capacity_bytes", &ChannelOptions::capacity_bytes)
       .def_rw("lamport_bytes", &ChannelOptions::lamport_bytes)
       .def_rw("timeout_s", &ChannelOptions::timeout_s)
+      .def_rw("setup_timeout_s", &ChannelOptions::setup_timeout_s)
       .def_rw("max_blocks", &ChannelOptions::max_blocks)
       .def_rw("poison_outputs", &ChannelOptions::poison_outputs);
 

@@ -77,6 +77,10 @@ struct alignas(128) Signal {
   uint32_t lamport_calls[kMaxBlocks];
   uint32_t lamport_buffer[kMaxBlocks];
   uint32_t lamport_packs[kMaxBlocks];
+  // served[b]: non-zero once block b of this rank met its peers in a call
+  // on this channel; until then its waits are bounded by the setup timeout
+  // (protocol.h, wait_deadline). Written only by this rank.
+  uint32_t served[kMaxBlocks];
   // Non-zero once a wait on this rank timed out: later calls on the channel
   // exit at once (DESIGN C8, the channel is poisoned until released).
   uint32_t poisoned;
@@ -95,6 +99,7 @@ struct ErrorRecord {
   int32_t peer;     // the rank that did not arrive, or arrived at another call
   uint32_t epoch;   // the counter value it waited for
   uint32_t peer_gave_up;  // 1: the peer stopped first (its own wait failed)
+  uint32_t first_call;    // 1: the block's first call, bounded by the setup timeout
   CallTag expected;  // kFailureMismatch: this rank's call
   CallTag seen;      // kFailureMismatch: the call the peer announced
 };
@@ -141,6 +146,7 @@ struct ChannelView {
   StagingLayout layout;
   StagingLayout lamport_layout;  // block_bytes 0 where there are no Lamport buffers
   uint64_t timeout_ns;
+  uint64_t first_timeout_ns;     // the bound of a block's waits until it was served (Signal::served)
   int rank;
   int world;
 };

@@ -149,9 +149,11 @@ B12X_HD void lamport_refill(const ChannelView& v, const LamportCall& c, size_t i
 B12X_HD size_t lamport_refill_packs(const LamportCall& c) { return c.previous_packs > 0 ? c.previous_packs : 1; }
 
 // Counts the call of `packs` packs and moves this block on to the next
-// buffer: by one step of the cycle, never by a count.
+// buffer: by one step of the cycle, never by a count. The block met its
+// peers: later calls are bounded by the timeout (wait_deadline).
 template <class Mem>
 B12X_HD void lamport_advance(const ChannelView& v, const LamportCall& c, uint32_t packs) {
+  mark_served<Mem>(v, c.block);
   Signal* own = v.signals[v.rank];
   own->lamport_calls[c.block] = c.call + 1u;
   own->lamport_buffer[c.block] = c.buffer == kLamportBuffers - 1 ? 0u : static_cast<uint32_t>(c.buffer + 1);

@@ -83,7 +83,8 @@ B12X_HD void arrive(const ChannelView& v, int block, int peer, uint32_t epoch, c
 // (poll_peer) before it gives up.
 template <class Mem>
 B12X_HD void record_failure(const ChannelView& v, uint32_t kind, int peer, uint32_t epoch, bool peer_gave_up,
-                            const CallTag& expected = CallTag{}, const CallTag& seen = CallTag{}) {
+                            const CallTag& expected = CallTag{}, const CallTag& seen = CallTag{},
+                            bool first_call = false) {
   Mem::fence();
   if (!Mem::claim(&v.signals[v.rank]->poisoned)) return;
   v.error->kind = kind;
@@ -91,6 +92,7 @@ B12X_HD void record_failure(const ChannelView& v, uint32_t kind, int peer, uint3
   v.error->peer = peer;
   v.error->epoch = epoch;
   v.error->peer_gave_up = peer_gave_up ? 1u : 0u;
+  v.error->first_call = first_call ? 1u : 0u;
   v.error->expected = expected;
   v.error->seen = seen;
   Mem::fence();
@@ -129,40 +131,70 @@ B12X_HD PeerState check_arrival(const ChannelView& v, int block, int peer, uint3
 // call that completes in microseconds must not pay.
 inline constexpr uint64_t kPeerPoisonGraceNs = 20000;
 
+// The bound of the waits of one call of one block, in 64-bit nanoseconds
+// (they do not wrap).
+struct Deadline {
+  uint64_t start_ns;
+  uint64_t end_ns;
+  bool first_call;
+};
+
+// The deadline of a call of `block` that starts now (DESIGN C8): the
+// channel's timeout, or, until the block met its peers once on a freshly
+// prepared channel (Signal::served), the setup timeout. Processes reach
+// their first call seconds to minutes apart (compilation, autotuning,
+// weight loading), and that is no fault (docs/DESIGN.md, "Start-up skew").
+template <class Mem>
+B12X_HD Deadline wait_deadline(const ChannelView& v, int block) {
+  const bool first = Mem::load_relaxed(&v.signals[v.rank]->served[block]) == 0;
+  const uint64_t now = Mem::now_ns();
+  return Deadline{now, now + (first ? v.first_timeout_ns : v.timeout_ns), first};
+}
+
+// `block` of this rank met a peer: later calls are bounded by the timeout.
+template <class Mem>
+B12X_HD void mark_served(const ChannelView& v, int block) {
+  v.signals[v.rank]->served[block] = 1u;  // read by this rank's later calls only (stream/queue order)
+}
+
 // One bounded look at `peer`, for a waiter that polls `probe()` (a flag, or
 // Lamport data) for a PeerState. kFailed, with the channel poisoned and the
 // error recorded, once the deadline passed or the peer poisoned the channel
 // itself: a peer whose own wait failed announces nothing more, so its
 // partners stop at once instead of serving out a timeout each, one after
-// the other. Deadlines are 64-bit nanoseconds: they do not wrap.
+// the other.
 template <class Mem, class Probe>
-B12X_HD PeerState poll_peer(const ChannelView& v, int peer, uint32_t epoch, uint64_t deadline_ns, Probe probe) {
+B12X_HD PeerState poll_peer(const ChannelView& v, int peer, uint32_t epoch, const Deadline& deadline, Probe probe) {
   PeerState state = probe();
   if (state != PeerState::kPending) return state;
   const uint64_t now = Mem::now_ns();
-  const bool in_grace = now + v.timeout_ns < deadline_ns + kPeerPoisonGraceNs;  // waited < grace so far
+  const bool in_grace = now < deadline.start_ns + kPeerPoisonGraceNs;
   const bool gave_up = !in_grace && Mem::load_acquire(&v.signals[peer]->poisoned) != 0;
-  if (!gave_up && now <= deadline_ns) return PeerState::kPending;
+  if (!gave_up && now <= deadline.end_ns) return PeerState::kPending;
   state = probe();  // it announced before giving up
   if (state != PeerState::kPending) return state;
-  record_failure<Mem>(v, kFailureTimeout, peer, epoch, gave_up);
+  record_failure<Mem>(v, kFailureTimeout, peer, epoch, gave_up, CallTag{}, CallTag{}, deadline.first_call);
   return PeerState::kFailed;
 }
 
-// Wait, at most until `deadline_ns`, for `peer` to announce `epoch` of call
+// Wait, at most until `deadline`, for `peer` to announce `epoch` of call
 // `tag` to `block`. Never spins forever (DESIGN C8): false, with the channel
 // poisoned and the error naming rank, peer and epoch (and both calls on a
 // tag mismatch), on expiry, on another call, or when the peer gave up.
 template <class Mem>
 B12X_HD bool wait(const ChannelView& v, int block, int peer, uint32_t epoch, const CallTag& tag,
-                  uint64_t deadline_ns) {
+                  const Deadline& deadline) {
   const auto probe = [&] { return check_arrival<Mem>(v, block, peer, epoch, tag); };
   for (uint32_t spins = 1;; ++spins) {
     // The clock and the peer's poison word cost more than a poll: look at
     // them now and then.
-    const PeerState state = (spins & 63) == 0 ? poll_peer<Mem>(v, peer, epoch, deadline_ns, probe) : probe();
-    if (state != PeerState::kPending) return state == PeerState::kArrived;
-    Mem::pause();
+    const PeerState state = (spins & 63) == 0 ? poll_peer<Mem>(v, peer, epoch, deadline, probe) : probe();
+    if (state == PeerState::kPending) {
+      Mem::pause();
+      continue;
+    }
+    if (state == PeerState::kArrived && deadline.first_call) mark_served<Mem>(v, block);
+    return state == PeerState::kArrived;
   }
 }
 

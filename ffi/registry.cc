@@ -1,5 +1,7 @@
 #include "registry.h"
 
+#include <algorithm>
+
 #include <cstdio>
 #include <stdexcept>
 
@@ -106,6 +108,7 @@ ChannelView base_view(const ChannelOptions& options, int world, int blocks) {
   view.lamport_layout = StagingLayout{cell_bytes(options.lamport_bytes), world, blocks, kLamportBuffers};
   view.world = world;
   view.timeout_ns = static_cast<uint64_t>(options.timeout_s * 1e9);
+  view.first_timeout_ns = static_cast<uint64_t>(std::max(options.timeout_s, options.setup_timeout_s) * 1e9);
   return view;
 }
 
@@ -145,9 +148,12 @@ std::string timeout_message(const ChannelGroup& group, int rank) {
   } else {
     std::snprintf(text, sizeof(text),
                   "b12x_jax: channel '%s' rank %d timed out after %.3g s at epoch %u waiting for "
-                  "rank %d, which did not arrive. The channel is poisoned: release it "
-                  "(Communicator.release) and prepare it again; raise timeout_s if the peer is only slow.",
-                  group.channel().c_str(), record.rank, group.options().timeout_s, record.epoch, record.peer);
+                  "rank %d, which did not arrive%s. The channel is poisoned: release it "
+                  "(Communicator.release) and prepare it again; raise %s if the peer is only slow.",
+                  group.channel().c_str(), record.rank,
+                  record.first_call ? group.options().setup_timeout_s : group.options().timeout_s, record.epoch,
+                  record.peer, record.first_call ? " at the channel's first call" : "",
+                  record.first_call ? "setup_timeout_s" : "timeout_s");
   }
   return text;
 }

@@ -25,12 +25,13 @@ struct ChannelOptions {
   size_t capacity_bytes = 0;  // largest payload of one call (barrier staging, per slot)
   size_t lamport_bytes = 0;   // payloads up to this take the Lamport exchange (0: never)
   double timeout_s = 10.0;    // bound on every wait for a peer (DESIGN C8)
+  double setup_timeout_s = 60.0;  // bound on the waits of a channel's first call (start-up skew)
   int max_blocks = 0;         // largest CUDA grid; 0: min(kMaxBlocks, SM count)
   bool poison_outputs = false;  // debug: fill outputs with NaN before a kernel writes them
 
   bool operator==(const ChannelOptions& o) const {
     return capacity_bytes == o.capacity_bytes && lamport_bytes == o.lamport_bytes && timeout_s == o.timeout_s &&
-           max_blocks == o.max_blocks && poison_outputs == o.poison_outputs;
+           setup_timeout_s == o.setup_timeout_s && max_blocks == o.max_blocks && poison_outputs == o.poison_outputs;
   }
 };
 

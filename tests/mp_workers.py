@@ -228,7 +228,9 @@ def never_calls_mode(args) -> dict:
   from jax.sharding import PartitionSpec as P
 
   import b12x_jax
-  b12x_jax.set_communicator(_communicator(args, timeout_s=args.timeout, poison_outputs=True))
+  # Its first call waits up to setup_timeout_s (start-up skew): the same bound here.
+  b12x_jax.set_communicator(_communicator(args, timeout_s=args.timeout, setup_timeout_s=args.timeout,
+                                          poison_outputs=True))
   mesh = _mesh()
   me = jax.process_index()
   x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), np.ones(4096, np.float32))

@@ -42,12 +42,12 @@ class BarrierCall : public HostCall {
     }
   }
 
-  PeerState poll(const ChannelView& v, int phase, uint64_t deadline_ns) override {
+  PeerState poll(const ChannelView& v, int phase, const Deadline& deadline) override {
     const uint32_t epoch = epoch_ + phase;
     for (int peer = 0; peer < v.world; ++peer) {
       if (peer == v.rank) continue;
       const auto probe = [&] { return check_arrival<HostMem>(v, 0, peer, epoch, tag_); };
-      const PeerState state = poll_peer<HostMem>(v, peer, epoch, deadline_ns, probe);
+      const PeerState state = poll_peer<HostMem>(v, peer, epoch, deadline, probe);
       if (state != PeerState::kArrived) return state;
     }
     return PeerState::kArrived;
@@ -84,7 +84,7 @@ class LamportHostCall : public HostCall {
     for (size_t i = 0; i < n_; ++i) lamport_push<HostMem>(v, call_, i, in_[i]);
   }
 
-  PeerState poll(const ChannelView& v, int /*phase*/, uint64_t deadline_ns) override {
+  PeerState poll(const ChannelView& v, int /*phase*/, const Deadline& deadline) override {
     for (int q = 0; q < v.world; ++q) {
       if (q == v.rank) continue;
       const auto probe = [&] {
@@ -97,7 +97,7 @@ class LamportHostCall : public HostCall {
         while (landed_[q] < n_ && lamport_load<HostMem>(v, call_, q, landed_[q], x)) ++landed_[q];
         return landed_[q] == n_ ? PeerState::kArrived : PeerState::kPending;
       };
-      const PeerState state = poll_peer<HostMem>(v, q, call_.call + 1u, deadline_ns, probe);
+      const PeerState state = poll_peer<HostMem>(v, q, call_.call + 1u, deadline, probe);
       if (state != PeerState::kArrived) return state;
     }
     return PeerState::kArrived;

@@ -20,7 +20,7 @@ struct Pending {
   std::unique_ptr<HostCall> call;
   int phase = 0;
   bool started = false;  // phase `phase` pushed and announced
-  uint64_t deadline_ns = 0;
+  Deadline deadline{};
 };
 
 class ProgressEngine {
@@ -92,13 +92,15 @@ class ProgressEngine {
         // A failed channel fails fast (C8): nothing is pushed.
         if (p.phase == 0 && channel_poisoned<HostMem>(v)) return fail(p);
         call.start(v, p.phase);
-        p.deadline_ns = HostMem::now_ns() + v.timeout_ns;
+        p.deadline = wait_deadline<HostMem>(v, 0);
         p.started = true;
       }
-      switch (call.poll(v, p.phase, p.deadline_ns)) {
+      switch (call.poll(v, p.phase, p.deadline)) {
         case PeerState::kPending: return false;
         case PeerState::kFailed: return fail(p);
-        case PeerState::kArrived: break;
+        case PeerState::kArrived:
+          if (p.deadline.first_call) mark_served<HostMem>(v, 0);
+          break;
       }
       p.started = false;
       if (++p.phase == call.phases()) break;

@@ -37,9 +37,9 @@ class HostCall {
   // Pushes phase `phase`'s data and announces it.
   virtual void start(const ChannelView& v, int phase) = 0;
   // One look at every peer: kArrived once all are there; kFailed with the
-  // error recorded and the channel poisoned (a timeout at `deadline_ns`, or
-  // a peer at another call).
-  virtual PeerState poll(const ChannelView& v, int phase, uint64_t deadline_ns) = 0;
+  // error recorded and the channel poisoned (a timeout at `deadline`, or a
+  // peer at another call).
+  virtual PeerState poll(const ChannelView& v, int phase, const Deadline& deadline) = 0;
   // Writes the outputs, after the last phase.
   virtual void finish(const ChannelView& v) = 0;
 

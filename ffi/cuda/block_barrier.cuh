@@ -18,11 +18,12 @@ namespace b12x {
 __device__ __forceinline__ bool block_barrier(const ChannelView& v, int block, uint32_t epoch, const CallTag& tag) {
   __shared__ int timed_out;
   if (threadIdx.x == 0) timed_out = 0;
+  const Deadline deadline = wait_deadline<CudaMem>(v, block);  // before any thread of the block is served
   __syncthreads();  // all pushes of this block are issued before any flag
   const int peer = threadIdx.x;
   if (peer < v.world && peer != v.rank) {
     arrive<CudaMem>(v, block, peer, epoch, tag);
-    if (!wait<CudaMem>(v, block, peer, epoch, tag, CudaMem::now_ns() + v.timeout_ns)) timed_out = 1;
+    if (!wait<CudaMem>(v, block, peer, epoch, tag, deadline)) timed_out = 1;
   }
   __syncthreads();
   return timed_out == 0;

@@ -39,7 +39,7 @@ __device__ __forceinline__ bool lamport_exchange(const ChannelView& v, const Cal
   __shared__ volatile int failed;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
-  const uint64_t deadline = CudaMem::now_ns() + v.timeout_ns;
+  const Deadline deadline = wait_deadline<CudaMem>(v, blockIdx.x);  // served only by lamport_advance
   // Spins on `probe` (bounded by poll_peer every 64 spins); false once this
   // thread or another one of the block failed.
   const auto await = [&](int q, auto probe) {
