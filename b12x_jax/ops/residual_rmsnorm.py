@@ -112,7 +112,7 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
                                                      eps=np.float32(eps))  # the handler's f32 attribute
       return normed, new_residual
   elif size > 1:
-    comm.decisions.append(Decision(_OP, name, "unfused", why_not))
+    comm.record(Decision(_OP, name, "unfused", why_not))
   return _unfused(all_reduce(x, axis_name, channel=channel), residual, weight, eps)
 
 
