@@ -64,7 +64,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--processes", type=int, default=2, help="jax.distributed processes, one device each")
-  parser.add_argument("--platform", choices=["gpu", "cpu"], default=None, help="when not given, gpu if >= 2 GPUs, else cpu")
+  parser.add_argument("--platform", choices=["gpu", "cpu"], default=None,
+                      help="when not given, gpu if >= 2 GPUs, else cpu")
   add_timing_arguments(parser, devices=False)
   parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="payload bytes, comma-separated")
   parser.add_argument("--timeout", type=float, default=900, help="hard limit for the workers, seconds")

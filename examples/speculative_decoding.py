@@ -40,7 +40,8 @@ parser.add_argument("--draft-layers", type=int, default=1, help="draft layers (t
 parser.add_argument("--prompt", type=int, default=8, help="prompt length")
 parser.add_argument("--new-tokens", type=int, default=48, help="tokens to generate")
 parser.add_argument("-k", type=int, default=4, help="draft tokens per round")
-parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of weights and activations")
+parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="dtype of weights and activations")
 parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompt")
 args = parser.parse_args()
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={max(args.devices, 2)}")

@@ -16,7 +16,7 @@ import b12x_jax
 from b12x_jax.communicator import MAX_DECISIONS, Decision
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
-SCRIPTS = sorted(p for p in glob.glob(os.path.join(ROOT, "examples", "*.py")) + glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))
+SCRIPTS = sorted(p for folder in ("examples", "benchmarks") for p in glob.glob(os.path.join(ROOT, folder, "*.py"))
                  if not os.path.basename(p).startswith("_"))
 
 
