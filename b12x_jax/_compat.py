@@ -1,7 +1,10 @@
 """Every private JAX API b12x_jax touches, in one place.
 
 Each helper says which JAX versions it was checked on and when it can go.
-The package declares jax>=0.11,<0.12.
+The package declares jax>=0.11.2,<0.13; CI runs the tests on jax 0.11.2 and
+on the newest 0.12.x (.ci/run). Checked on 0.11.2 and 0.12.0.1, every helper
+here takes the same branch on both: where a release differs, the helper
+branches on it, with a comment naming the releases of each branch.
 """
 
 from __future__ import annotations
@@ -15,39 +18,32 @@ def drop_varying_axis(aval, axis_name: str):
   """``aval`` with ``axis_name`` removed from its varying manual axes: the
   output of a sum over the axis is the same on every rank, as for psum.
 
-  jax 0.11 keeps varying axes in ``aval.mat.varying``; older releases kept
-  them in ``aval.vma``. Goes when JAX exposes a public cast to invariant.
+  jax 0.11 and 0.12 keep varying axes in ``aval.mat.varying`` (avals without
+  ``mat``, tokens, are returned as they are). Goes when JAX exposes a public
+  cast to invariant.
   """
   mat = getattr(aval, "mat", None)
-  if mat is not None:
-    varying = frozenset(a for a in mat.varying if a != axis_name)
-    return aval.update(manual_axis_type=mat.update(varying=varying))
-  vma = getattr(aval, "vma", None)
-  if vma is not None:
-    return aval.update(vma=frozenset(a for a in vma if a != axis_name))
-  return aval
+  if mat is None:
+    return aval
+  return aval.update(manual_axis_type=mat.update(varying=frozenset(a for a in mat.varying if a != axis_name)))
 
 
 def varying_axes(aval) -> frozenset:
-  """The manual mesh axes ``aval`` varies over (same fields as
-  ``drop_varying_axis``); empty where the release tracks none."""
+  """The manual mesh axes ``aval`` varies over (the field of
+  ``drop_varying_axis``); empty for avals without it."""
   mat = getattr(aval, "mat", None)
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", None) or ())
+  return frozenset() if mat is None else frozenset(mat.varying)
 
 
 def add_varying_axes(aval, axes):
   """``aval`` varying over ``axes`` too: the output of an op that gives each
-  rank its own shard (dcp_a2a) differs across the axis, whatever the inputs.
-  Goes with ``drop_varying_axis``."""
+  rank its own shard (dcp_a2a) differs across the axis, whatever the inputs;
+  the fused op's results vary where its residual does. Goes with
+  ``drop_varying_axis``."""
   mat = getattr(aval, "mat", None)
-  if mat is not None:
-    return aval.update(manual_axis_type=mat.update(varying=frozenset(mat.varying) | frozenset(axes)))
-  vma = getattr(aval, "vma", None)
-  if vma is not None:
-    return aval.update(vma=frozenset(vma) | frozenset(axes))
-  return aval
+  if mat is None:
+    return aval
+  return aval.update(manual_axis_type=mat.update(varying=frozenset(mat.varying) | frozenset(axes)))
 
 
 def axis_device_groups(ctx, axis_name: str) -> list[tuple]:
@@ -56,7 +52,7 @@ def axis_device_groups(ctx, axis_name: str) -> list[tuple]:
   order of ``axis_index``.
 
   Reads ``ctx.module_context.axis_context`` (a ``SPMDAxisContext`` on jax
-  0.11). When shard_map was given an abstract mesh, its devices are the
+  0.11 and 0.12). When shard_map was given an abstract mesh, its devices are the
   module's device assignment in mesh order.
   """
   axis_context = ctx.module_context.axis_context
@@ -82,7 +78,7 @@ def device_ordinal(device) -> int:
   process's ``device``: on GPUs its local hardware id (the CUDA ordinal in
   this process), on CPU its global id, which is not its local index in a
   multi-process run (process 1's first CPU device is id 2048). Checked on
-  jax 0.11.2, one process and jax.distributed."""
+  jax 0.11.2 and 0.12.0.1, one process and jax.distributed."""
   ordinal = getattr(device, "local_hardware_id", None)
   return int(device.id if ordinal is None or device.platform == "cpu" else ordinal)
 
@@ -102,14 +98,14 @@ def platform_of(devices: Sequence) -> str:
 
 
 # -- jax.distributed key-value store (DESIGN §3) ----------------------------------
-# jax 0.11 reaches the coordination service's key-value store only through the
+# jax 0.11 and 0.12 reach the coordination service's key-value store only through the
 # private client in ``jax._src.distributed.global_state``. These go when JAX
 # exposes a public key-value API.
 
 
 def distributed_client():
   """The ``jax.distributed`` client of this process, or None before
-  ``jax.distributed.initialize`` (checked on jax 0.11.2)."""
+  ``jax.distributed.initialize`` (checked on jax 0.11.2 and 0.12.0.1)."""
   from jax._src import distributed
   return distributed.global_state.client
 
@@ -129,7 +125,7 @@ def kv_get_bytes(key: str, timeout_s: float) -> bytes | None:
 
 
 # -- ordered effects (DESIGN C15) --------------------------------------------------
-# jax 0.11 keeps its effect registries in the private ``jax._src.effects``.
+# jax 0.11 and 0.12 keep their effect registries in the private ``jax._src.effects``.
 # A "shardable" ordered effect is the kind ``io_callback(ordered=True)`` uses:
 # allowed in multi-device programs, its token threaded through shard_map,
 # scan, while_loop, cond, checkpoint and custom derivatives, and from one
@@ -162,7 +158,7 @@ def wait_for_dispatched() -> None:
   """Blocks until every executable with effects this thread dispatched is
   done, ignoring the errors of failed ones (each raised from its own call),
   then forgets their tokens, so a failed execution's error does not come
-  back from a later ``jax.effects_barrier()``. jax 0.11 keeps, per thread,
+  back from a later ``jax.effects_barrier()``. jax 0.11 and 0.12 keep, per thread,
   the token of the last such executable on each device (for a program over
   several devices that is the whole record of it) in
   ``jax._src.dispatch.runtime_tokens``."""

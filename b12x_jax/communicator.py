@@ -18,7 +18,6 @@ Releasing and closing are collective too.
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import dataclasses
 import itertools
@@ -48,6 +47,8 @@ _SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 # (and the native layer counts nanoseconds in 64 bits).
 _MAX_TIMEOUT_S = 1e6
 PACK_BYTES = 16
+# Communicator.decisions keeps the last this many (one per traced call).
+MAX_DECISIONS = 1024
 
 
 def _is_number(value) -> bool:
@@ -135,7 +136,7 @@ class Communicator:
     self.policy: Policy = policy
     self.max_blocks = None if max_blocks is None else int(max_blocks)
     self.algorithm: Algorithm = algorithm
-    self.decisions: collections.deque[Decision] = collections.deque(maxlen=1024)
+    self.decisions: list[Decision] = []  # the last MAX_DECISIONS traced calls, oldest first
     self._lock = threading.RLock()
     # (platform, channel) -> prepared groups, each a tuple of device ordinals in rank order
     # (-1 for a rank of another process).
@@ -181,16 +182,19 @@ class Communicator:
       reason = f"the axis has {axis_size} devices, more than the 8 ranks a channel serves"
       fix = "Use an axis of at most 8 devices"
     elif prefer_fallback is not None and self.policy == "auto":
-      return self._record(Decision(op, channel, fallback, prefer_fallback))
+      return self.record(Decision(op, channel, fallback, prefer_fallback))
     else:
-      return self._record(Decision(op, channel, "b12x", "inside the b12x window" + (f"; {detail}" if detail else "")))
+      return self.record(Decision(op, channel, "b12x", "inside the b12x window" + (f"; {detail}" if detail else "")))
     if self.policy == "strict":
       raise IneligibleError(f"b12x_jax.{op}: {reason} (policy 'strict'). {fix}, or use policy='auto' to fall "
                             f"back to {fallback}")
-    return self._record(Decision(op, channel, fallback, reason))
+    return self.record(Decision(op, channel, fallback, reason))
 
-  def _record(self, decision: Decision) -> Decision:
+  def record(self, decision: Decision) -> Decision:
+    """Appends ``decision`` to ``decisions``, dropping the oldest beyond
+    MAX_DECISIONS."""
     self.decisions.append(decision)
+    del self.decisions[:-MAX_DECISIONS]
     return decision
 
   # -- preparation -------------------------------------------------------------
@@ -255,7 +259,7 @@ class Communicator:
   def _ineligible(self, op: str, channel: str, reason: str, fallback: str) -> Decision:
     if self.policy == "strict":
       raise TransportError(f"b12x_jax.{op}: {reason} (policy 'strict'; policy='auto' falls back to {fallback})")
-    return self._record(Decision(op, channel, fallback, reason))
+    return self.record(Decision(op, channel, fallback, reason))
 
   def _is_prepared(self, platform: str, channel: str, ordinals: tuple[int, ...]) -> bool:
     with self._lock:

@@ -13,7 +13,7 @@ def add_timing_arguments(parser, devices: bool = True) -> None:
   parser.add_argument("--ops", type=int, default=64, help="chained collectives per executable")
   parser.add_argument("--iters", type=int, default=50, help="timed runs (the median is reported)")
   if devices:
-    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--devices", type=int, default=2, help="devices in the mesh")
   parser.add_argument("--json", help="write the results here too")
 
 

@@ -129,10 +129,12 @@ def _op(impl: str):
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser()
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   add_timing_arguments(parser)
-  parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
-  parser.add_argument("--impls", default=None, help="default: b12x,b12x_barrier,psum,floor on GPUs, b12x,psum on CPU")
+  parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="payload bytes, comma-separated")
+  parser.add_argument("--impls", default=None,
+                      help="comma-separated; when not given, b12x,b12x_barrier,psum,floor on GPUs, b12x,psum on CPU")
   parser.add_argument("--no-flag-columns", action="store_true", help="skip the columns measured in subprocesses")
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()

@@ -61,11 +61,13 @@ def worker(args) -> None:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--processes", type=int, default=2)
-  parser.add_argument("--platform", choices=["gpu", "cpu"], default=None, help="default: gpu if >= 2 GPUs")
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument("--processes", type=int, default=2, help="jax.distributed processes, one device each")
+  parser.add_argument("--platform", choices=["gpu", "cpu"], default=None,
+                      help="when not given, gpu if >= 2 GPUs, else cpu")
   add_timing_arguments(parser, devices=False)
-  parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
+  parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="payload bytes, comma-separated")
   parser.add_argument("--timeout", type=float, default=900, help="hard limit for the workers, seconds")
   parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
   parser.add_argument("--port", type=int, help=argparse.SUPPRESS)

@@ -102,7 +102,8 @@ def measure(shapes: list[tuple[int, int, int]], ops: int, iters: int, devices: i
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser()
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   add_timing_arguments(parser)
   parser.add_argument("--smoke", action="store_true", help="one tiny size on emulated CPU devices")
   args = parser.parse_args()

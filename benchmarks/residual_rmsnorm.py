@@ -83,10 +83,11 @@ def measure(impls: list[str], shapes: list[tuple[int, int]], ops: int, iters: in
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser()
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   add_timing_arguments(parser)
   parser.add_argument("--shapes", default=",".join(f"{r}x{h}" for r, h in SHAPES), help="ROWSxHIDDEN,...")
-  parser.add_argument("--impls", default="fused,unfused,psum")
+  parser.add_argument("--impls", default="fused,unfused,psum", help="columns, comma-separated")
   args = parser.parse_args()
   shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
   impls = args.impls.split(",")

@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import os
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--devices", type=int, default=2, help="ranks on the mesh axis (default 2)")
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+parser.add_argument("--devices", type=int, default=2, help="ranks on the mesh axis")
 args = parser.parse_args()
 # Emulated CPU devices, used only when fewer than two GPUs are present.
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={max(args.devices, 2)}")

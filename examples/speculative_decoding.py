@@ -26,18 +26,23 @@ import os
 import sys
 import time
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--devices", type=int, default=2, help="tensor-parallel ranks (default 2)")
-parser.add_argument("--vocab", type=int, default=512)
-parser.add_argument("--hidden", type=int, default=256)
-parser.add_argument("--heads", type=int, default=8)
+# Printed next to timings taken on emulated CPU devices, and shown by --help.
+CPU_TIMINGS = ("On CPU devices the timings measure the emulation (XLA:CPU devices and the host-memory backend "
+               "sharing this machine's cores), not the library's speed on GPUs.")
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=CPU_TIMINGS,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+parser.add_argument("--devices", type=int, default=2, help="tensor-parallel ranks")
+parser.add_argument("--vocab", type=int, default=512, help="vocabulary size")
+parser.add_argument("--hidden", type=int, default=256, help="model width")
+parser.add_argument("--heads", type=int, default=8, help="attention heads (a multiple of --devices)")
 parser.add_argument("--layers", type=int, default=4, help="target layers")
-parser.add_argument("--draft-layers", type=int, default=1)
+parser.add_argument("--draft-layers", type=int, default=1, help="draft layers (the target's first ones)")
 parser.add_argument("--prompt", type=int, default=8, help="prompt length")
-parser.add_argument("--new-tokens", type=int, default=48)
+parser.add_argument("--new-tokens", type=int, default=48, help="tokens to generate")
 parser.add_argument("-k", type=int, default=4, help="draft tokens per round")
-parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="dtype of weights and activations")
+parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompt")
 args = parser.parse_args()
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={max(args.devices, 2)}")
 
@@ -210,6 +215,8 @@ def main() -> None:
   print("collectives per channel on rank 0: " + ", ".join(
       f"{name} {comm.stats(name, mesh.devices.flat[0])['epoch']}" for name in ("target", "draft")))
   baseline = run(mesh, params, prompt, jax.lax.psum, "jax.lax.psum")
+  if devices[0].platform == "cpu":
+    print(CPU_TIMINGS)
 
   want = greedy_on_one_device(params, prompt)
   for label, tokens in (("b12x_jax", got), ("psum", baseline)):

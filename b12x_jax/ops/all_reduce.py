@@ -48,9 +48,7 @@ def all_reduce(x, axis_name: str, *, channel: str | None = None) -> jax.Array:
   x = _check_operand(x)
   size = axis_size(axis_name, _OP)
   name = resolve_channel(channel, _OP)
-  if size == 1:
-    return x
-  if x.size == 0:  # nothing crosses the link
+  if size == 1 or x.size == 0:  # nothing crosses a link; psum's type (invariant over the axis)
     return jax.lax.psum(x, axis_name)
   comm = get_communicator()
   nbytes = x.size * x.dtype.itemsize

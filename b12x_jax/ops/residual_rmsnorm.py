@@ -112,8 +112,8 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
                                                      eps=np.float32(eps))  # the handler's f32 attribute
       return normed, new_residual
   elif size > 1:
-    comm.decisions.append(Decision(_OP, name, "unfused", why_not))
-  return _unfused(all_reduce(x, axis_name, channel=channel) if size > 1 else x, residual, weight, eps)
+    comm.record(Decision(_OP, name, "unfused", why_not))
+  return _unfused(all_reduce(x, axis_name, channel=channel), residual, weight, eps)
 
 
 def _unfused(total, residual, weight, eps: float) -> tuple[jax.Array, jax.Array]:
@@ -128,9 +128,11 @@ def _unfused(total, residual, weight, eps: float) -> tuple[jax.Array, jax.Array]
 
 
 def _abstract_eval(x, residual, weight, *, axis_name: str, channel: str, eps: float):
-  del residual, weight, channel, eps
-  out = _compat.drop_varying_axis(x, axis_name)
-  return [out, out]
+  # The types of _unfused's: the sum is invariant over the axis, the residual
+  # adds its varying axes, the weight those of its own to the normed output.
+  del channel, eps
+  new_residual = _compat.add_varying_axes(_compat.drop_varying_axis(x, axis_name), _compat.varying_axes(residual))
+  return [_compat.add_varying_axes(new_residual, _compat.varying_axes(weight)), new_residual]
 
 
 def _psum_path(x, residual, weight, *, axis_name: str, eps: float):

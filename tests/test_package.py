@@ -1,0 +1,59 @@
+"""What a user meets first, outside the ops: the version, the decision log,
+the scripts' --help, and what the examples say about CPU timings."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+import b12x_jax
+from b12x_jax.communicator import MAX_DECISIONS, Decision
+
+ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
+SCRIPTS = sorted(p for folder in ("examples", "benchmarks") for p in glob.glob(os.path.join(ROOT, folder, "*.py"))
+                 if not os.path.basename(p).startswith("_"))
+
+
+def test_version_is_the_one_pyproject_declares():
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    assert b12x_jax.__version__ == tomllib.load(f)["project"]["version"]
+
+
+def test_decisions_is_a_list_that_keeps_the_last_ones():
+  comm = b12x_jax.Communicator()
+  for i in range(MAX_DECISIONS + 5):
+    comm.record(Decision("all_reduce", "default", "b12x", str(i)))
+  assert isinstance(comm.decisions, list) and len(comm.decisions) == MAX_DECISIONS
+  assert [d.reason for d in comm.decisions[-2:]] == [str(MAX_DECISIONS + 3), str(MAX_DECISIONS + 4)]
+  assert comm.decisions[0].reason == "5"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)
+def test_help_shows_every_default(script):
+  proc = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=120,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  options = [o for o in re.findall(r"^  (--?[\w-]+)", proc.stdout, flags=re.M) if o not in ("-h", "--help")]
+  assert len(re.findall(r"\(default:\s", proc.stdout)) == len(options), proc.stdout
+
+
+@pytest.mark.parametrize("example", ["dcp_decode.py", "speculative_decoding.py"])
+def test_timing_examples_say_cpu_timings_measure_the_emulation(example):
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", example), "--help"], capture_output=True,
+                        text=True, timeout=60)
+  assert "timings measure the emulation" in " ".join(proc.stdout.split())
+
+
+def test_dcp_example_prints_the_note_next_to_cpu_timings():
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "dcp_decode.py"), "--batch", "2", "--heads",
+                         "4", "--head-dim", "64", "--kv-len", "16", "--steps", "2"], capture_output=True, text=True,
+                        timeout=300, env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+                                                 "JAX_PLATFORMS": "cpu"})  # the example's own 2 devices
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "timings measure the emulation" in proc.stdout
