@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -52,6 +53,13 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _stderr_digest(err: str) -> str:
+  """What a failed worker said: its fatal lines (an XLA check failure comes
+  before a long stack trace) and the end of its stderr."""
+  fatal = [ln for ln in err.splitlines() if re.match(r"(F\d{4} |.*Check failed|.*Error:)", ln)][:10]
+  return "\n".join(fatal) + "\n...\n" + err[-2500:]
+
+
 @pytest.fixture
 def multiprocess():
   """Runs one tests/mp_workers.py MODE per process, ``n`` processes joined by
@@ -95,7 +103,7 @@ def multiprocess():
         continue
       lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
       assert not timed_out and proc.returncode == 0 and lines, \
-          f"process {i} of {mode}: rc={proc.returncode} timed_out={timed_out}\n{err[-3000:]}"
+          f"process {i} of {mode}: rc={proc.returncode} timed_out={timed_out}\n{_stderr_digest(err)}"
       results.append(json.loads(lines[0][len("RESULT "):]))
     return results
   return run

@@ -72,9 +72,13 @@ def _check(fn, mesh, rng, elems, dtype_name, roundings=1) -> str:
   hash of this process's output bits, for the test to compare."""
   import jax
   from helpers import DTYPES, assert_sum_matches, random_shards
+  from b12x_jax import _native
   shards = random_shards(rng, jax.device_count(), elems, DTYPES[dtype_name])
   got = _run(fn, mesh, shards)
-  assert_sum_matches(got[None], shards, dtype_name, roundings)
+  try:
+    assert_sum_matches(got[None], shards, dtype_name, roundings)
+  except AssertionError as e:  # say which call, and what the channel recorded (CUDA: a failed kernel leaves NaN)
+    raise AssertionError(f"{elems} x {dtype_name}: {e}; recorded: {_native.pending_errors()}") from None
   return hashlib.sha256(got.tobytes()).hexdigest()
 
 
