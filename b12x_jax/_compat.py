@@ -138,13 +138,16 @@ def effect_base() -> type:
   return effects.Effect
 
 
-def register_ordered_effect(effect_type: type) -> None:
-  """Makes ``effect_type`` an ordered effect JAX threads a token through,
-  in multi-device programs and inside control flow and AD."""
+def register_effect(effect_type: type, *, ordered: bool) -> None:
+  """Makes ``effect_type`` an effect JAX lowers, allows inside control flow
+  and AD, and, if ``ordered``, threads a token through, in multi-device
+  programs too."""
   from jax._src import effects
-  for registry in (effects.ordered_effects, effects.shardable_ordered_effects, effects.lowerable_effects,
-                   effects.control_flow_allowed_effects, effects.custom_derivatives_allowed_effects,
-                   effects.remat_allowed_effects):
+  registries = [effects.lowerable_effects, effects.control_flow_allowed_effects,
+                effects.custom_derivatives_allowed_effects, effects.remat_allowed_effects]
+  if ordered:
+    registries += [effects.ordered_effects, effects.shardable_ordered_effects]
+  for registry in registries:
     registry.add_type(effect_type)
 
 
@@ -170,3 +173,11 @@ def wait_for_dispatched() -> None:
     except Exception:  # noqa: BLE001 - the failed call raised its own error already
       pass
   tokens.clear()
+
+
+def optimization_barrier(values: list) -> list:
+  """``values`` (MLIR values, tokens included) through one
+  stablehlo.optimization_barrier, for a lowering rule: XLA moves nothing
+  across it, nor fuses into it. jax 0.11 has no public builder for it."""
+  from jax._src.lib.mlir.dialects import hlo
+  return list(hlo.OptimizationBarrierOp(values).results)

@@ -55,7 +55,20 @@ class ChannelOrder(_compat.effect_base()):
   channel: str
 
 
-_compat.register_ordered_effect(ChannelOrder)
+@dataclasses.dataclass(frozen=True)
+class ChannelMemory(_compat.effect_base()):
+  """The unordered effect every b12x call has besides its ChannelOrder: it
+  writes channel memory outside the program's buffers. So
+  ``jax.effects_barrier()`` waits for it, and an AOT-compiled executable
+  (``lower().compile()``) dispatches every call through the path that passes
+  the order tokens: on jax 0.11.2 the C++ fast path of a compiled executable
+  without unordered effects drops them ("Execution supplied 1 arguments but
+  compiled program expected 2" from its second call on)."""
+
+
+channel_memory = ChannelMemory()
+_compat.register_effect(ChannelOrder, ordered=True)
+_compat.register_effect(ChannelMemory, ordered=False)
 
 
 def settle() -> None:

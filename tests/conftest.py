@@ -102,8 +102,10 @@ def multiprocess():
         results.append(None)
         continue
       lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-      assert not timed_out and proc.returncode == 0 and lines, \
-          f"process {i} of {mode}: rc={proc.returncode} timed_out={timed_out}\n{_stderr_digest(err)}"
+      if timed_out or proc.returncode != 0 or not lines:  # every failed process says why, not just the first
+        failed = [f"process {j} of {mode}: rc={p.returncode}\n{_stderr_digest(e)}"
+                  for j, (p, (_, e)) in enumerate(zip(procs, outputs)) if j not in killed and p.returncode != 0]
+        raise AssertionError(f"timed_out={timed_out}\n" + "\n".join(failed or [f"process {i}: no RESULT"]))
       results.append(json.loads(lines[0][len("RESULT "):]))
     return results
   return run

@@ -3,6 +3,7 @@ registration of a b12x primitive (its channel's order token included)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -10,7 +11,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from b12x_jax import _compat, _native
-from b12x_jax.channels import ChannelOrder
+from b12x_jax.channels import ChannelOrder, channel_memory
 from b12x_jax.communicator import get_communicator
 
 
@@ -39,14 +40,24 @@ def _lowering(op: str, target: str, fallback: Callable, fallback_path: str) -> C
   fallback_rule = mlir.lower_fun(fallback, multiple_results=True)
   token = _compat.abstract_token()
 
-  def rule(ctx, *args, axis_name: str, channel: str, **params):
+  def rule(ctx, *args, axis_name: str, channel: str, platform: str, **params):
     groups = _compat.axis_device_groups(ctx, axis_name)
     _native.ensure_registered()
     if get_communicator().ensure_prepared(op, channel, groups, fallback_path) is not None:
       return fallback_rule(ctx, *args, axis_name=axis_name, **params)
     effect = ChannelOrder(channel)
+    token_in = ctx.tokens_in.get(effect)
+    if platform == "cuda":
+      # XLA:GPU's dynamic-slice fusion folds a slice operand or a
+      # dynamic-update-slice result into the custom call, and then fails on
+      # the token operand (jax 0.11.2: "Check failed: shape.IsArray() ||
+      # shape.IsTuple()" in PriorityFusion's cost analysis). Barriers keep
+      # the call's operands and results its own.
+      token_in, *args = _compat.optimization_barrier([token_in, *args])
     token_ctx = ctx.replace(avals_in=(token, *ctx.avals_in), avals_out=(token, *ctx.avals_out))
-    token_out, *results = ffi_rule(token_ctx, ctx.tokens_in.get(effect), *args, channel_id=channel, **params)
+    token_out, *results = ffi_rule(token_ctx, token_in, *args, channel_id=channel, **params)
+    if platform == "cuda":
+      token_out, *results = _compat.optimization_barrier([token_out, *results])
     ctx.set_tokens_out(mlir.TokenSet({effect: token_out}))
     return results
 
@@ -56,7 +67,8 @@ def _lowering(op: str, target: str, fallback: Callable, fallback_path: str) -> C
 def collective_primitive(name: str, op: str, abstract_eval: Callable, fallback: Callable,
                          fallback_path: str = "psum", multiple_results: bool = False) -> Primitive:
   """The primitive of one b12x op, registered: ``abstract_eval`` (the
-  output avals, without effects) plus the channel's ordered effect, an
+  output avals, without effects) plus the call's effects (ChannelOrder of
+  its channel, channel_memory: channels.py), an
   eager rule that says where the op runs, the b12x lowering on CPU and CUDA,
   and ``fallback`` (which takes the op's parameters but ``channel``) on every
   other platform. The FFI target is named like the primitive."""
@@ -64,7 +76,7 @@ def collective_primitive(name: str, op: str, abstract_eval: Callable, fallback: 
   primitive.multiple_results = multiple_results
 
   def effectful_abstract_eval(*avals, channel: str, **params):
-    return abstract_eval(*avals, channel=channel, **params), {ChannelOrder(channel)}
+    return abstract_eval(*avals, channel=channel, **params), {ChannelOrder(channel), channel_memory}
 
   def eager(*args, axis_name: str, channel: str, **params):
     raise ValueError(f"b12x_jax.{op} runs inside jax.shard_map under jax.jit, not eagerly "
@@ -77,6 +89,7 @@ def collective_primitive(name: str, op: str, abstract_eval: Callable, fallback: 
   primitive.def_effectful_abstract_eval(effectful_abstract_eval)
   primitive.def_impl(eager)
   for platform in ("cpu", "cuda"):
-    mlir.register_lowering(primitive, _lowering(op, name, fallback, fallback_path), platform=platform)
+    mlir.register_lowering(primitive, functools.partial(_lowering(op, name, fallback, fallback_path),
+                                                        platform=platform), platform=platform)
   mlir.register_lowering(primitive, mlir.lower_fun(fallback_anywhere, multiple_results=True))
   return primitive
