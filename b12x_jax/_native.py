@@ -48,12 +48,12 @@ def _has_gpu_backend() -> bool:
 
 def channel_options(*, capacity_bytes: int, lamport_bytes: int, timeout_s: float, setup_timeout_s: float,
                     max_blocks: int | None, poison_outputs: bool):
-  """The native ChannelOptions every transport is prepared with. The Lamport
-  window never exceeds the capacity; max_blocks None means "as many as fit";
-  a channel's first call waits up to setup_timeout_s for its peers."""
+  """The native ChannelOptions every transport is prepared with. max_blocks
+  None means "as many as fit"; a channel's first call waits up to
+  setup_timeout_s for its peers."""
   options = _b12x.ChannelOptions()
   options.capacity_bytes = capacity_bytes
-  options.lamport_bytes = min(lamport_bytes, capacity_bytes)
+  options.lamport_bytes = lamport_bytes
   options.timeout_s = timeout_s
   options.setup_timeout_s = setup_timeout_s
   options.max_blocks = max_blocks or 0
@@ -93,6 +93,20 @@ def prepare(platform: str, channel: str, ordinals: list[int], options) -> None:
       _b12x.prepare_cuda(channel, ordinals, options)
     else:
       raise TransportError(f"no b12x backend for platform {platform!r}")
+
+
+def shutdown_host_progress(seconds: float) -> bool:
+  """At exit: waits, at most ``seconds``, for the host backend's queued
+  calls and completions, then joins its progress thread; True if it was
+  idle. Host calls submitted afterwards fail at once."""
+  return bool(_b12x.shutdown_host_progress(seconds))
+
+
+def lamport_cell_bytes(options, blocks: int) -> int:
+  """One Lamport cell of a channel with ``options`` and ``blocks`` blocks,
+  as the native layer lays it out (ffi/registry.cc base_view: the window
+  clamped to the capacity, split over the blocks)."""
+  return int(_b12x.lamport_cell_bytes(options, blocks))
 
 
 def share(platform: str, channel: str, ordinals: list[int], options):

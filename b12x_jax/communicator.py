@@ -199,6 +199,15 @@ class Communicator:
 
   # -- preparation -------------------------------------------------------------
 
+  def native_options(self, first_call_s: float | None = None):
+    """The native ChannelOptions of this communicator's channels; the first
+    call after a preparation waits up to ``first_call_s`` (default
+    setup_timeout_s) for its peers."""
+    return _native.channel_options(capacity_bytes=self.capacity_bytes, lamport_bytes=self.lamport_bytes,
+                                   timeout_s=self.timeout_s,
+                                   setup_timeout_s=self.setup_timeout_s if first_call_s is None else first_call_s,
+                                   max_blocks=self.max_blocks, poison_outputs=self.poison_outputs)
+
   def prepare(self, mesh, axis_name: str, channels: Iterable[str] = ("default",)) -> None:
     """Prepares ``channels`` for every device group of ``mesh`` along
     ``axis_name``, in sorted channel-name order. Needed before use in strict
@@ -280,10 +289,7 @@ class Communicator:
       processes = {d.process_index for d in group}
       # Processes reach a channel's first call apart (compilation, weight
       # loading); the devices of one process start an executable together.
-      first_call_s = self.setup_timeout_s if len(processes) > 1 else self.timeout_s
-      options = _native.channel_options(capacity_bytes=self.capacity_bytes, lamport_bytes=self.lamport_bytes,
-                                        timeout_s=self.timeout_s, setup_timeout_s=first_call_s,
-                                        max_blocks=self.max_blocks, poison_outputs=self.poison_outputs)
+      options = self.native_options(first_call_s=self.setup_timeout_s if len(processes) > 1 else self.timeout_s)
       if len(processes) == 1:
         _native.prepare(platform, channel, list(ordinals), options)
       else:
@@ -454,8 +460,13 @@ def _close_at_exit() -> None:
   # Registered after jax's own exit hooks (b12x_jax imports jax first), so it
   # runs before them: pending work finishes, then memory is released while
   # the backends, and jax.distributed for the collective release, still exist.
-  if _active is not None and _active.prepared_channels():
-    _active.close()  # release first waits for this thread's executions (channels.settle)
+  # Last, the host backend's progress thread stops: none of its threads may
+  # still run inside XLA while the process tears down.
+  try:
+    if _active is not None and _active.prepared_channels():
+      _active.close()  # release first waits for this thread's executions (channels.settle)
+  finally:
+    _native.shutdown_host_progress(2 * (_active.timeout_s if _active is not None else 10.0) + 1)
 
 
 atexit.register(_close_at_exit)

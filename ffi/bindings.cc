@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cpu/host_channel.h"
+#include "cpu/progress.h"
 #include "cpu/shm_channel.h"
 #include "registry.h"
 #include "shared_group.h"
@@ -137,6 +138,15 @@ NB_MODULE(_b12x, m) {
       .def_rw("setup_timeout_s", &ChannelOptions::setup_timeout_s)
       .def_rw("max_blocks", &ChannelOptions::max_blocks)
       .def_rw("poison_outputs", &ChannelOptions::poison_outputs);
+
+  m.def("shutdown_host_progress", &shutdown_host_progress, nb::arg("seconds"),
+        "At exit: waits (bounded) for the host backend's queued calls, then joins its progress thread.");
+
+  m.def("lamport_cell_bytes", [](const ChannelOptions& options, int blocks) {
+    if (blocks < 1 || blocks > kMaxBlocks) throw std::invalid_argument("b12x_jax: blocks must be in [1, 64]");
+    return base_view(options, 1, blocks).lamport_layout.block_bytes;
+  }, nb::arg("options"), nb::arg("blocks"),
+     "Bytes of one Lamport cell of a channel prepared with `options` and `blocks` blocks (0: no Lamport path).");
 
   m.def("prepare_host", [](const std::string& channel, std::vector<int> ordinals, const ChannelOptions& options) {
     if (Registry::get().revive(Platform::kHost, channel, ordinals, options)) return;

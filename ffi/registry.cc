@@ -105,7 +105,10 @@ ChannelView base_view(const ChannelOptions& options, int world, int blocks) {
   const auto cell_bytes = [&](size_t bytes) { return bytes / blocks / kPackBytes * kPackBytes; };
   ChannelView view{};
   view.layout = StagingLayout{cell_bytes(options.capacity_bytes), world, blocks, kStagingSlots};
-  view.lamport_layout = StagingLayout{cell_bytes(options.lamport_bytes), world, blocks, kLamportBuffers};
+  // The Lamport window never exceeds the capacity: decided here, for the
+  // kernels and for the Python layer's choice of the fused op alike.
+  const size_t window = std::min(options.lamport_bytes, options.capacity_bytes);
+  view.lamport_layout = StagingLayout{cell_bytes(window), world, blocks, kLamportBuffers};
   view.world = world;
   view.timeout_ns = static_cast<uint64_t>(options.timeout_s * 1e9);
   view.first_timeout_ns = static_cast<uint64_t>(std::max(options.timeout_s, options.setup_timeout_s) * 1e9);
@@ -164,8 +167,9 @@ std::string busy_message(const ChannelGroup& group) {
 }
 
 std::string pending_error(const ChannelGroup& group, int rank) {
-  const volatile uint32_t* state = &group.error_record(rank).state;
-  if (*state != kErrorComplete) return {};
+  // Acquire: the record's fields, written before its state (release, by a
+  // kernel or the progress thread), are complete once the state says so.
+  if (__atomic_load_n(&group.error_record(rank).state, __ATOMIC_ACQUIRE) != kErrorComplete) return {};
   return timeout_message(group, rank);
 }
 

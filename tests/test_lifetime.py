@@ -10,9 +10,13 @@ under compute-sanitizer.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
+from conftest import WORKERS
 from helpers import assert_sum_matches, fresh_communicator, put_sharded, random_shards
 from jax.sharding import PartitionSpec as P
 
@@ -35,3 +39,11 @@ def test_a_cached_executable_raises_not_prepared_after_release_and_is_right_once
           np.asarray(fn(put_sharded(mesh, shards)))
         comm.prepare(mesh, "x", channels=["reused"])
     assert fn._cache_size() == 1  # one executable all along: nothing was traced again
+
+
+def test_a_process_that_exits_with_calls_in_flight_ends_cleanly():
+  for _ in range(5):  # the abort it prevents was intermittent
+    proc = subprocess.run([sys.executable, WORKERS, "exit_busy", "--devices", "4", "--runs", "100"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "RESULT" in proc.stdout, proc.stderr[-2000:]
+    assert "terminate called" not in proc.stderr, proc.stderr[-2000:]

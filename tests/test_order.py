@@ -32,14 +32,23 @@ def test_independent_calls_on_one_channel_run_in_program_order_on_every_rank(ran
 
 
 def _calls(text: str) -> list[tuple[str, str, str]]:
-  """(channel, token in, token out) of every b12x custom call in ``text``."""
+  """(channel, token in, token out) of every b12x custom call in ``text``,
+  seen through the optimization barriers the CUDA lowering puts around each
+  call (a barrier's result i is its operand i)."""
+  through: dict[str, str] = {}
   calls = []
   for line in text.splitlines():
+    barrier = re.match(r"\s*(%[\w]+)(?::\d+)? = stablehlo.optimization_barrier (.*?) :", line)
+    if barrier:
+      for k, operand in enumerate(barrier.group(2).split(", ")):
+        through[f"{barrier.group(1)}#{k}"] = through.get(operand, operand)
+      continue
     if "stablehlo.custom_call @b12x_" not in line:
       continue
     token_out = re.match(r"\s*(%[\w#]+)", line).group(1)
     token_in = re.search(r"custom_call @b12x_\w+\((%[\w#]+)", line).group(1)
-    calls.append((re.search(r'channel_id = "([^"]+)"', line).group(1), token_in, token_out + "#0"))
+    calls.append((re.search(r'channel_id = "([^"]+)"', line).group(1), through.get(token_in, token_in),
+                  token_out + "#0"))
   return calls
 
 

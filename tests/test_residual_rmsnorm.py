@@ -47,6 +47,17 @@ def test_rows_outside_the_lamport_window_take_the_unfused_path_with_the_same_res
     assert comm.decisions[-2].path == "unfused" and "lamport_bytes=0" in comm.decisions[-2].reason
 
 
+@pytest.mark.parametrize("rows, path", [(32, "b12x"), (64, "unfused")])
+def test_the_lamport_window_is_clamped_to_the_capacity_in_one_place(cpu_mesh, rows, path):
+  # 256 KiB of capacity under the default 1 MiB window: the native layout
+  # clamps the window, and the choice of the fused op reads that layout
+  # (rows of 4096 bf16 are 8 KiB: 32 fit, 64 do not).
+  with fresh_communicator(poison_outputs=True, capacity_bytes=256 * 1024) as comm, b12x_jax.channel("clamped"):
+    run_case(cpu_mesh(2), np.random.default_rng(rows), rows, 4096, "bfloat16")
+    fused = [d for d in comm.decisions if d.op == "all_reduce_residual_rmsnorm"]
+    assert [d.path for d in fused] == [path] if path == "b12x" else fused[-1].path == "unfused", comm.decisions
+
+
 def test_interleaves_with_all_reduce_on_one_channel(cpu_mesh):
   mesh = cpu_mesh(2)
   rng = np.random.default_rng(7)

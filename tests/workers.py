@@ -431,10 +431,30 @@ def order_mode(args) -> dict:
   return {"wrong": wrong, "results": args.runs * args.calls * n}
 
 
+def exit_busy_mode(args) -> dict:
+  """``runs`` all_reduces dispatched and never waited for, then the process
+  exits: the exit hook waits for them, closes the channel and joins the host
+  backend's progress thread, so the process ends cleanly (exit code 0, no
+  "terminate called" from a thread still inside XLA)."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  mesh = jax.make_mesh((args.devices,), ("x",), devices=jax.devices()[:args.devices])
+  fn = jax.jit(jax.shard_map(lambda v: b12x_jax.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  x = jax.device_put(np.ones(args.devices * 4096, np.float32), NamedSharding(mesh, P("x")))
+  with b12x_jax.channel("busy"):
+    for _ in range(args.runs):
+      x = fn(x) / args.devices  # chained, not waited for
+  return {"dispatched": args.runs}
+
+
 def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("mode", choices=["timeout", "graphs", "dcp", "torture", "cross", "race", "close_pending",
-                                      "mismatch", "protocols", "order"])
+                                      "mismatch", "protocols", "order", "exit_busy"])
   parser.add_argument("--platform", default="cpu")
   parser.add_argument("--devices", type=int, default=2)
   parser.add_argument("--timeout", type=float, default=1.0)
@@ -452,7 +472,7 @@ def main() -> None:
   result = {"timeout": timeout_mode, "graphs": graphs_mode, "dcp": dcp_mode,
             "torture": torture_mode, "cross": cross_mode, "race": race_mode,
             "close_pending": close_pending_mode, "mismatch": mismatch_mode, "protocols": protocols_mode,
-            "order": order_mode}[args.mode](args)
+            "order": order_mode, "exit_busy": exit_busy_mode}[args.mode](args)
   print("RESULT " + json.dumps(result), flush=True)
 
 

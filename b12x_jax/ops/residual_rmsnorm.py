@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from b12x_jax import _compat
+from b12x_jax import _compat, _native
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import PACK_BYTES, Decision, get_communicator
 from b12x_jax.ops._common import axis_size, collective_primitive
@@ -21,16 +21,15 @@ _MAX_BLOCKS = 64
 
 
 def _grid_limit(max_blocks: int | None) -> int:
-  """The grid a channel gets, as the native layer resolves it
-  (cuda_channel.cu, resolve_max_blocks): the Communicator's max_blocks,
-  else min(64, the SM count of the smallest visible GPU)."""
-  if max_blocks is not None:
-    return max_blocks
+  """The blocks a channel gets, as the native layer resolves them: on GPUs
+  (cuda_channel.cu, resolve_max_blocks) the Communicator's max_blocks, else
+  min(64, the SM count of the smallest visible GPU); without one, the host
+  backend's single block (cpu/host_channel.cc)."""
   try:
     sms = [getattr(d, "core_count", _MAX_BLOCKS) for d in jax.devices("gpu")]
-  except RuntimeError:  # no GPU: the host backend's one Lamport cell holds what 64 would
-    sms = []
-  return min([_MAX_BLOCKS, *sms])
+  except RuntimeError:
+    return 1
+  return max_blocks if max_blocks is not None else min([_MAX_BLOCKS, *sms])
 
 # -- validation -----------------------------------------------------------------
 
@@ -55,14 +54,14 @@ def _check_operands(x, residual, weight) -> tuple[jax.Array, jax.Array, jax.Arra
   return x, residual, weight
 
 
-def _fused_window(rows: int, row_bytes: int, lamport_bytes: int, max_blocks: int) -> str | None:
+def _fused_window(rows: int, row_bytes: int, cell: int, max_blocks: int) -> str | None:
   """Why the fused kernel cannot take these rows, or None: it exchanges them
-  through the Lamport cells of the channel, whole rows per block."""
-  if lamport_bytes == 0:
+  through the channel's ``max_blocks`` Lamport cells of ``cell`` bytes
+  (_native.lamport_cell_bytes: the native layout), whole rows per block."""
+  if cell == 0:
     return "the Lamport window is off (lamport_bytes=0)"
   if row_bytes % PACK_BYTES:
     return f"a row of {row_bytes} bytes is not a multiple of 16 bytes"
-  cell = lamport_bytes // max_blocks // PACK_BYTES * PACK_BYTES
   rows_per_block = -(-rows // max_blocks)
   if rows_per_block * row_bytes > cell:
     return (f"{rows} rows of {row_bytes} bytes exceed the {max_blocks} Lamport cells of {cell} bytes "
@@ -104,7 +103,8 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
   comm = get_communicator()
   row_bytes = x.shape[-1] * x.dtype.itemsize
   rows = x.size // x.shape[-1]
-  why_not = _fused_window(rows, row_bytes, comm.lamport_bytes, _grid_limit(comm.max_blocks))
+  grid = _grid_limit(comm.max_blocks)
+  why_not = _fused_window(rows, row_bytes, _native.lamport_cell_bytes(comm.native_options(), grid), grid)
   if size > 1 and why_not is None:
     decision = comm.choose_path(_OP, name, x.size * x.dtype.itemsize, x.dtype, size)
     if decision.path == "b12x":

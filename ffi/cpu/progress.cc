@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -51,8 +52,33 @@ class ProgressEngine {
     }
   }
 
+  // Waits, at most `seconds`, until no call is queued and no completion is
+  // running XLA's continuation, then stops the progress thread and joins it:
+  // at exit nothing of this engine may run while the process tears down
+  // (a completion thread still inside XLA then aborts the process). True
+  // when it was idle; later submissions fail at once.
+  bool shutdown(double seconds) {
+    const uint64_t deadline = HostMem::now_ns() + static_cast<uint64_t>(seconds * 1e9);
+    std::unique_lock lock(mutex_);
+    while ((pending_ > 0 || completing_.load() > 0) && HostMem::now_ns() < deadline) {
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      lock.lock();
+    }
+    const bool idle = pending_ == 0 && completing_.load() == 0;
+    stopping_ = true;
+    wake_.notify_one();
+    lock.unlock();
+    if (thread_.joinable()) thread_.join();
+    return idle;
+  }
+
   void submit(std::unique_ptr<HostCall> call) {
     std::lock_guard lock(mutex_);
+    if (stopping_) {
+      complete(std::move(call->promise), xla::ffi::Error::Internal("b12x_jax: the process is exiting"));
+      return;
+    }
     const auto key = std::make_pair(call->handle.group, call->handle.rank);
     queues_[key].push_back(Pending{std::move(call)});
     ++pending_;
@@ -60,12 +86,13 @@ class ProgressEngine {
   }
 
  private:
-  ProgressEngine() { std::thread([this] { run(); }).detach(); }
+  ProgressEngine() : thread_([this] { run(); }) {}
 
   void run() {
     std::unique_lock lock(mutex_);
     for (;;) {
-      wake_.wait(lock, [this] { return pending_ > 0; });
+      wake_.wait(lock, [this] { return pending_ > 0 || stopping_; });
+      if (stopping_) return;
       bool progressed = false;
       for (auto& [key, queue] : queues_) {
         while (!queue.empty() && advance(queue.front())) {
@@ -113,13 +140,16 @@ class ProgressEngine {
   // XLA runs the rest of the rank's program inside SetAvailable, on the
   // completing thread, and that may block: complete on a thread of its own so
   // the progress thread never waits for XLA.
+  // Counted, so that shutdown can wait for them.
   static void complete(xla::ffi::Promise promise, std::optional<xla::ffi::Error> error) {
+    ++completing_;
     std::thread([promise = std::move(promise), error = std::move(error)]() mutable {
       if (error) {
         promise.SetError(*error);
       } else {
         promise.SetAvailable();
       }
+      --completing_;
     }).detach();
   }
 
@@ -133,6 +163,9 @@ class ProgressEngine {
   std::condition_variable wake_;
   std::map<std::pair<const ChannelGroup*, int>, std::deque<Pending>> queues_;
   size_t pending_ = 0;
+  bool stopping_ = false;
+  static inline std::atomic<int> completing_{0};  // completion threads still inside XLA
+  std::thread thread_;  // last: started once the rest is constructed
 };
 
 }  // namespace
@@ -142,5 +175,7 @@ void submit_host_call(std::unique_ptr<HostCall> call) { ProgressEngine::get().su
 bool wait_host_calls(const ChannelGroup* group, double seconds) {
   return ProgressEngine::get().wait_idle(group, seconds);
 }
+
+bool shutdown_host_progress(double seconds) { return ProgressEngine::get().shutdown(seconds); }
 
 }  // namespace b12x

@@ -54,6 +54,10 @@ void submit_host_call(std::unique_ptr<HostCall> call);
 // false if none of them finished for `seconds`.
 bool wait_host_calls(const ChannelGroup* group, double seconds);
 
+// At exit: waits, at most `seconds`, for every queued call and completion,
+// then stops and joins the progress thread (see progress.cc). True if idle.
+bool shutdown_host_progress(double seconds);
+
 // The bound host groups give wait_host_calls: a queued call ends within one
 // timeout of its start, which comes at the latest when the call before it
 // ended (a timeout poisons the channel and the rest fail at once), plus a

@@ -52,7 +52,16 @@ struct CudaMem {
                  : "memory");
     return x;
   }
-  static __device__ __forceinline__ void store_pack(Pack* p, const Pack& x) { *p = x; }
+  // One 16-byte store of the four words as given. A plain `*p = x` lets the
+  // compiler split it and first store a vector with undefined words (seen
+  // with nvcc 13.0 -O3: st.global.v4 {1, undef, undef, undef}, then the
+  // words): a reader polling for "no word empty" then takes register garbage
+  // for an arrived Lamport header (docs/DESIGN.md, "Lamport").
+  static __device__ __forceinline__ void store_pack(Pack* p, const Pack& x) {
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(x.words[0]), "r"(x.words[1]),
+                 "r"(x.words[2]), "r"(x.words[3])
+                 : "memory");
+  }
 };
 
 // Restores the calling thread's current device when setup is done.
