@@ -62,12 +62,15 @@ SANITIZER = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sa
 
 @pytest.mark.skipif(not shutil.which(SANITIZER), reason=f"compute-sanitizer not found ({SANITIZER})")
 @pytest.mark.parametrize("graphs", ["on", "off"])
-def test_cached_executables_across_release_and_prepare_touch_no_freed_memory(gpu_rig, graphs):
+def test_cached_executables_across_release_and_prepare_touch_no_freed_memory(gpu_rig, graphs, tmp_path):
   # memcheck does not run under MPS: the two processes time-slice GPU 0 (slow, still right).
   env = {"CUDA_MPS_PIPE_DIRECTORY": "/tmp/b12x-no-mps", **(GRAPHS_OFF if graphs == "off" else {})}
-  launcher = (SANITIZER, "--tool", "memcheck", "--error-exitcode", "97", "--print-limit", "20")
+  launcher = (SANITIZER, "--tool", "memcheck", "--error-exitcode", "97", "--print-limit", "20",
+              "--log-file", str(tmp_path / "memcheck.%p.log"))
   results = gpu_rig("reprepare", 2, env=env, launcher=launcher, hard_timeout=400)
   assert results[0]["hashes"] == results[1]["hashes"] and len(results[0]["hashes"]) == 12, results
+  logs = [log.read_text() for log in tmp_path.glob("memcheck.*.log")]
+  assert len(logs) >= 2 and all("ERROR SUMMARY: 0 errors" in log for log in logs), logs  # memcheck ran, found none
 
 
 @pytest.mark.parametrize("n", WORLDS)
