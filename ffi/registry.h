@@ -144,6 +144,9 @@ class Registry {
   // group reuses it. Returns how many groups it released; throws
   // std::runtime_error naming the groups whose work is still queued.
   size_t release(Platform platform, std::string_view channel);
+  // The installed groups. The pointers stay valid after the lock is dropped
+  // (stats, pending_errors): an installed group is never destroyed, only
+  // released (DESIGN C16).
   std::vector<const ChannelGroup*> groups() const;
 
  private:

@@ -133,3 +133,23 @@ def test_aot_compiled_function_keeps_its_channel(cpu_mesh):
   before = b12x_jax.get_communicator().stats("aot", jax.devices("cpu")[0])["epoch"]
   compiled(x).block_until_ready()  # runs outside the scope, still on "aot"
   assert b12x_jax.get_communicator().stats("aot", jax.devices("cpu")[0])["epoch"] == before + 1
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "all_reduce_residual_rmsnorm", "dcp_a2a"])
+def test_a_platform_without_a_b12x_backend_lowers_every_op_to_its_fallback(cpu_mesh, op):
+  mesh = cpu_mesh(2)
+  if op == "dcp_a2a":
+    fn = lambda o, l: b12x_jax.dcp_a2a(o, l, "x")  # noqa: E731
+    args = (jax.ShapeDtypeStruct((2, 8, 64), jnp.bfloat16, sharding=jax.sharding.NamedSharding(mesh, P(None))),
+            jax.ShapeDtypeStruct((2, 8), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, P(None))))
+    specs = (P(), P())
+  elif op == "all_reduce":
+    fn, specs = (lambda v: b12x_jax.all_reduce(v, "x")), (P("x"),)
+    args = (jax.ShapeDtypeStruct((128,), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, P("x"))),)
+  else:
+    fn = lambda v: b12x_jax.all_reduce_residual_rmsnorm(v, v, jnp.ones(64, v.dtype), "x")[0]  # noqa: E731
+    specs = (P("x"),)
+    args = (jax.ShapeDtypeStruct((4, 64), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, P("x"))),)
+  sm = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False))
+  text = sm.trace(*args).lower(lowering_platforms=("rocm",)).as_text()  # the generic rule, not the CPU one
+  assert "b12x_" not in text and ("all_reduce" in text or "all_to_all" in text), text[-2000:]
