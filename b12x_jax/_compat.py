@@ -181,3 +181,11 @@ def optimization_barrier(values: list) -> list:
   across it, nor fuses into it. jax 0.11 has no public builder for it."""
   from jax._src.lib.mlir.dialects import hlo
   return list(hlo.OptimizationBarrierOp(values).results)
+
+
+def manual_axes() -> frozenset:
+  """The mesh axes the enclosing jax.shard_map makes manual (empty outside
+  one); a vmap axis name is not among them. Read from
+  ``jax.sharding.get_abstract_mesh()`` (jax 0.11 and 0.12)."""
+  import jax
+  return frozenset(jax.sharding.get_abstract_mesh().manual_axes)

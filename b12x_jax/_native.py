@@ -76,13 +76,13 @@ def _native_errors(what: str):
     raise TransportError(f"b12x_jax: {what} failed: {e}") from None
 
 
-def prepare(platform: str, channel: str, ordinals: list[int], options) -> None:
+def prepare(platform: str, channel: str, partition: str, ordinals: list[int], options) -> None:
   """Allocates ``channel`` for one group with ``options`` (channel_options).
   A CUDA group's peer access is probed first (once per group); a failed
   probe raises TransportError."""
   with _native_errors(f"preparing channel {channel!r} on {platform} devices {ordinals}"):
     if platform == "cpu":
-      _b12x.prepare_host(channel, ordinals, options)
+      _b12x.prepare_host(channel, partition, ordinals, options)
     elif platform == "cuda":
       group = tuple(ordinals)
       if group not in _probed:
@@ -90,7 +90,7 @@ def prepare(platform: str, channel: str, ordinals: list[int], options) -> None:
         if problem:
           raise TransportError(f"peer access between GPUs {ordinals} does not work: {problem}")
         _probed.add(group)
-      _b12x.prepare_cuda(channel, ordinals, options)
+      _b12x.prepare_cuda(channel, partition, ordinals, options)
     else:
       raise TransportError(f"no b12x backend for platform {platform!r}")
 
@@ -109,16 +109,16 @@ def lamport_cell_bytes(options, blocks: int) -> int:
   return int(_b12x.lamport_cell_bytes(options, blocks))
 
 
-def share(platform: str, channel: str, ordinals: list[int], options):
+def share(platform: str, channel: str, partition: str, ordinals: list[int], options):
   """Allocates, zero-fills and exports this process's ranks of a channel
   shared with other processes (``ordinals[r]`` is -1 for a rank another
   process holds): POSIX shared memory on CPU, CUDA IPC on GPUs. Returns the
   native PendingGroup that rendezvous steps drive to install or free."""
   with _native_errors(f"allocating channel {channel!r} on {platform} devices {ordinals} for other processes"):
     if platform == "cpu":
-      return _b12x.share_host(channel, ordinals, options)
+      return _b12x.share_host(channel, partition, ordinals, options)
     if platform == "cuda":
-      return _b12x.share_cuda(channel, ordinals, options)
+      return _b12x.share_cuda(channel, partition, ordinals, options)
     raise TransportError(f"no b12x backend for platform {platform!r}")
 
 

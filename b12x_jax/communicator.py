@@ -140,7 +140,7 @@ class Communicator:
     self._lock = threading.RLock()
     # (platform, channel) -> prepared groups, each a tuple of device ordinals in rank order
     # (-1 for a rank of another process).
-    self._groups: dict[tuple[str, str], list[tuple[int, ...]]] = {}
+    self._groups: dict[tuple[str, str], list[tuple[str, tuple[int, ...]]]] = {}  # (partition, ordinals)
     # device-ordinal groups whose peer access failed its probe -> why.
     self._broken: dict[tuple[str, tuple[int, ...]], str] = {}
     # (platform, channel) -> the processes its groups shared with this one span.
@@ -185,6 +185,12 @@ class Communicator:
       return self.record(Decision(op, channel, fallback, prefer_fallback))
     else:
       return self.record(Decision(op, channel, "b12x", "inside the b12x window" + (f"; {detail}" if detail else "")))
+    return self.outside_window(op, channel, reason, fix, fallback)
+
+  def outside_window(self, op: str, channel: str, reason: str, fix: str, fallback: str = "psum") -> Decision:
+    """A call b12x cannot run (``reason``): its ``fallback`` path, recorded,
+    under policies "auto" and "psum"; under "strict" an IneligibleError that
+    says ``fix``."""
     if self.policy == "strict":
       raise IneligibleError(f"b12x_jax.{op}: {reason} (policy 'strict'). {fix}, or use policy='auto' to fall "
                             f"back to {fallback}")
@@ -231,7 +237,7 @@ class Communicator:
     groups = [tuple(row) for row in devices.reshape(-1, devices.shape[-1])]
     for name in names:
       for group in groups:
-        self._prepare_group(name, group)
+        self._prepare_group(name, partition_key(groups), group)
 
   def ensure_prepared(self, op: str, channel: str, groups: Sequence[Sequence],
                       fallback: str = "psum") -> Decision | None:
@@ -243,6 +249,7 @@ class Communicator:
     process lowers: every process lowers the same program, so all reach the
     same preparations in the same order, and a failed transport is one
     verdict, so all take the same path."""
+    partition = partition_key(groups)
     for group in groups:
       platform = _compat.platform_of(group)
       if platform not in _native.platforms():
@@ -251,14 +258,14 @@ class Communicator:
       if all(o < 0 for o in ordinals):
         continue  # other processes serve this group
       broken = self._broken.get((platform, ordinals))
-      if broken is None and not self._is_prepared(platform, channel, ordinals):
+      if broken is None and not self._is_prepared(platform, channel, partition, ordinals):
         if is_strict():
           raise ChannelError(
               f"b12x_jax.{op}: channel {channel!r} is not prepared for devices {list(ordinals)} and strict "
               f"mode is on; call b12x_jax.get_communicator().prepare(mesh, axis_name, "
               f"channels=[{channel!r}]) before tracing")
         try:
-          self._prepare_group(channel, group)
+          self._prepare_group(channel, partition, group)
         except TransportError as e:  # remembered: the group is not probed again
           broken = self._broken[(platform, ordinals)] = str(e)
       if broken is not None:
@@ -270,11 +277,13 @@ class Communicator:
       raise TransportError(f"b12x_jax.{op}: {reason} (policy 'strict'; policy='auto' falls back to {fallback})")
     return self.record(Decision(op, channel, fallback, reason))
 
-  def _is_prepared(self, platform: str, channel: str, ordinals: tuple[int, ...]) -> bool:
+  def _is_prepared(self, platform: str, channel: str, partition: str, ordinals: tuple[int, ...]) -> bool:
     with self._lock:
-      return ordinals in self._groups.get((platform, channel), ())
+      return (partition, ordinals) in self._groups.get((platform, channel), ())
 
-  def _prepare_group(self, channel: str, group: Sequence) -> None:
+  def _prepare_group(self, channel: str, partition: str, group: Sequence) -> None:
+    """Prepares ``channel`` for ``group``, one group of ``partition`` (every
+    group of one mesh axis: partition_key), DESIGN C18."""
     platform = _compat.platform_of(group)
     ordinals = _ordinals(group)
     if all(o < 0 for o in ordinals):
@@ -282,7 +291,7 @@ class Communicator:
     with self._lock:
       if self._closed:
         raise ChannelError("b12x_jax: this Communicator is closed; make a new one (b12x_jax.set_communicator)")
-      if ordinals in self._groups.get((platform, channel), ()):
+      if (partition, ordinals) in self._groups.get((platform, channel), ()):
         return
       if len({d.id for d in group}) != len(group):
         raise ChannelError(f"b12x_jax: device group {[d.id for d in group]} names a device twice")
@@ -291,13 +300,13 @@ class Communicator:
       # loading); the devices of one process start an executable together.
       options = self.native_options(first_call_s=self.setup_timeout_s if len(processes) > 1 else self.timeout_s)
       if len(processes) == 1:
-        _native.prepare(platform, channel, list(ordinals), options)
+        _native.prepare(platform, channel, partition, list(ordinals), options)
       else:
         group_key = "-".join(str(d.id) for d in group)  # global ids: the same name in every process
-        rendezvous.prepare_shared(platform, channel, group_key, processes, list(ordinals), options,
+        rendezvous.prepare_shared(platform, channel, partition, group_key, processes, list(ordinals), options,
                                   self._settings(), self.setup_timeout_s)
         self._shared.setdefault((platform, channel), set()).update(processes)
-      self._groups.setdefault((platform, channel), []).append(ordinals)
+      self._groups.setdefault((platform, channel), []).append((partition, ordinals))
 
   def _settings(self) -> rendezvous.Settings:
     """What peers in other processes must share with this one (DESIGN C17)."""
@@ -311,7 +320,7 @@ class Communicator:
     with self._lock:
       out: dict[str, list[tuple[int, ...]]] = {}
       for (_, channel), groups in self._groups.items():
-        out.setdefault(channel, []).extend(groups)
+        out.setdefault(channel, []).extend(ordinals for _, ordinals in groups)
       return out
 
   def stats(self, channel: str, device) -> dict:
@@ -402,6 +411,14 @@ class Communicator:
   @property
   def closed(self) -> bool:
     return self._closed
+
+
+def partition_key(groups: Sequence[Sequence]) -> str:
+  """The name of a partition of devices into groups (every group of one
+  mesh axis, in rank order): their global ids, "0,1;2,3". A channel name
+  serves any number of partitions, with memory of its own for each group
+  (DESIGN C18); the custom call names it in its ``group`` attribute."""
+  return ";".join(",".join(str(d.id) for d in group) for group in groups)
 
 
 def _ordinals(group: Sequence) -> tuple[int, ...]:

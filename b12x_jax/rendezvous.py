@@ -215,8 +215,8 @@ class Session:
 _kept: list = []
 
 
-def prepare_shared(platform: str, channel: str, group_key: str, processes: Sequence[int], ordinals: list[int],
-                   options, settings: Settings, setup_timeout_s: float) -> None:
+def prepare_shared(platform: str, channel: str, partition: str, group_key: str, processes: Sequence[int],
+                   ordinals: list[int], options, settings: Settings, setup_timeout_s: float) -> None:
   """Prepares this process's ranks of a channel group that spans
   ``processes`` (``ordinals[r]`` is -1 for a rank another process holds),
   collectively, in three steps, each ending with a verdict:
@@ -239,7 +239,7 @@ def prepare_shared(platform: str, channel: str, group_key: str, processes: Seque
   ``options`` are a native ChannelOptions (``_native.channel_options``),
   ``settings`` the Communicator's that peers must share."""
   session = Session(f"prepare/{platform}/{channel}/{group_key}", processes, setup_timeout_s)
-  pending, problem = _attempt(lambda: _native.share(platform, channel, ordinals, options))
+  pending, problem = _attempt(lambda: _native.share(platform, channel, partition, ordinals, options))
   own = None
   try:
     if pending is not None:

@@ -47,13 +47,14 @@ Platform parse_platform(const std::string& platform) {
   throw std::invalid_argument("b12x_jax: unknown platform '" + platform + "'");
 }
 
-void add_group(std::unique_ptr<ChannelGroup> group) {
+void add_group(std::unique_ptr<ChannelGroup> group, const std::string& partition) {
+  group->set_partition(partition);
   const std::string problem = Registry::get().add(std::move(group));
   if (!problem.empty()) throw std::invalid_argument("b12x_jax: " + problem);
 }
 
 RankHandle find_or_throw(const std::string& platform, const std::string& channel, int ordinal) {
-  RankHandle handle = Registry::get().find(parse_platform(platform), channel, ordinal);
+  RankHandle handle = Registry::get().find(parse_platform(platform), channel, {}, ordinal);
   if (!handle) throw std::invalid_argument(unprepared_message("stats", channel, ordinal));
   return handle;
 }
@@ -62,7 +63,8 @@ RankHandle find_or_throw(const std::string& platform, const std::string& channel
 // (shared_group.h): the steps between two collective verdicts.
 class PendingGroup {
  public:
-  explicit PendingGroup(std::unique_ptr<SharedGroup> group) : group_(std::move(group)) {}
+  PendingGroup(std::unique_ptr<SharedGroup> group, std::string partition)
+      : group_(std::move(group)), partition_(std::move(partition)) {}
 
   nb::dict exports() const {
     nb::dict out;
@@ -84,7 +86,7 @@ class PendingGroup {
   // Every rank opened every import: the group serves handlers from now on.
   void install() {
     get().opened_everywhere();
-    add_group(std::move(group_));
+    add_group(std::move(group_), partition_);
   }
   // Frees the exports: only after every rank closed its imports.
   void free() { group_.reset(); }
@@ -95,6 +97,7 @@ class PendingGroup {
     return *group_;
   }
   std::unique_ptr<SharedGroup> group_;
+  std::string partition_;
 };
 
 }  // namespace
@@ -148,19 +151,21 @@ NB_MODULE(_b12x, m) {
   }, nb::arg("options"), nb::arg("blocks"),
      "Bytes of one Lamport cell of a channel prepared with `options` and `blocks` blocks (0: no Lamport path).");
 
-  m.def("prepare_host", [](const std::string& channel, std::vector<int> ordinals, const ChannelOptions& options) {
-    if (Registry::get().revive(Platform::kHost, channel, ordinals, options)) return;
-    add_group(make_host_group(channel, std::move(ordinals), options));
-  }, nb::arg("channel"), nb::arg("ordinals"), nb::arg("options"),
+  m.def("prepare_host", [](const std::string& channel, const std::string& partition, std::vector<int> ordinals,
+                           const ChannelOptions& options) {
+    if (Registry::get().revive(Platform::kHost, channel, partition, ordinals, options)) return;
+    add_group(make_host_group(channel, std::move(ordinals), options), partition);
+  }, nb::arg("channel"), nb::arg("partition"), nb::arg("ordinals"), nb::arg("options"),
      "Allocates the channel in host memory for the given CPU devices, ranks in list order, or reuses the "
      "memory of its last release with the same devices and options.");
 
 #if defined(B12X_WITH_CUDA)
-  m.def("prepare_cuda", [](const std::string& channel, std::vector<int> ordinals, ChannelOptions options) {
+  m.def("prepare_cuda", [](const std::string& channel, const std::string& partition, std::vector<int> ordinals,
+                           ChannelOptions options) {
     options.max_blocks = resolve_max_blocks(options, ordinals);  // as the group stores them
-    if (Registry::get().revive(Platform::kCuda, channel, ordinals, options)) return;
-    add_group(make_cuda_group(channel, std::move(ordinals), options));
-  }, nb::arg("channel"), nb::arg("ordinals"), nb::arg("options"),
+    if (Registry::get().revive(Platform::kCuda, channel, partition, ordinals, options)) return;
+    add_group(make_cuda_group(channel, std::move(ordinals), options), partition);
+  }, nb::arg("channel"), nb::arg("partition"), nb::arg("ordinals"), nb::arg("options"),
      "Allocates the channel on the given GPUs of this process (peer access probed before), or reuses the "
      "memory of its last release with the same devices and options.");
   m.def("probe_peer_access", &probe_peer_access, nb::arg("ordinals"),
@@ -176,16 +181,18 @@ NB_MODULE(_b12x, m) {
       .def("install", &PendingGroup::install, "Hands the group to the handlers.")
       .def("free", &PendingGroup::free, "Frees the local memory (rollback, after every rank closed its imports).");
 
-  m.def("share_host", [](const std::string& channel, std::vector<int> ordinals, const ChannelOptions& options) {
-    return PendingGroup(make_shm_group(channel, std::move(ordinals), options));
-  }, nb::arg("channel"), nb::arg("ordinals"), nb::arg("options"),
+  m.def("share_host", [](const std::string& channel, const std::string& partition, std::vector<int> ordinals,
+                         const ChannelOptions& options) {
+    return PendingGroup(make_shm_group(channel, std::move(ordinals), options), partition);
+  }, nb::arg("channel"), nb::arg("partition"), nb::arg("ordinals"), nb::arg("options"),
      "Allocates the local ranks of a channel shared with other processes in POSIX shared memory; "
      "ordinals[r] is -1 for a rank another process holds.");
 
 #if defined(B12X_WITH_CUDA)
-  m.def("share_cuda", [](const std::string& channel, std::vector<int> ordinals, const ChannelOptions& options) {
-    return PendingGroup(make_ipc_group(channel, std::move(ordinals), options));
-  }, nb::arg("channel"), nb::arg("ordinals"), nb::arg("options"),
+  m.def("share_cuda", [](const std::string& channel, const std::string& partition, std::vector<int> ordinals,
+                         const ChannelOptions& options) {
+    return PendingGroup(make_ipc_group(channel, std::move(ordinals), options), partition);
+  }, nb::arg("channel"), nb::arg("partition"), nb::arg("ordinals"), nb::arg("options"),
      "Allocates and exports (CUDA IPC) this process's rank of a channel shared with other processes; "
      "ordinals[r] is -1 for a rank another process holds.");
 #endif

@@ -15,13 +15,16 @@ Registry& Registry::get() {
 std::string Registry::add(std::unique_ptr<ChannelGroup> group) {
   std::unique_lock lock(mutex_);
   for (const auto& existing : groups_) {
-    if (existing->platform() != group->platform() || existing->channel() != group->channel()) continue;
+    if (existing->platform() != group->platform() || existing->channel() != group->channel() ||
+        existing->partition() != group->partition()) {
+      continue;
+    }
     for (int ordinal : group->ordinals()) {
       for (int other : existing->ordinals()) {
         if (ordinal == other && ordinal != kRemoteRank) {
-          return "channel '" + group->channel() + "' is already prepared on device " +
-                 std::to_string(ordinal) + " for another group of devices; one device serves a "
-                 "channel in one group only: use another channel name for this axis";
+          return "channel '" + group->channel() + "' is already prepared on device " + std::to_string(ordinal) +
+                 " in another group of partition " + group->partition() + " (a device is in one group of a "
+                 "partition)";
         }
       }
     }
@@ -30,21 +33,25 @@ std::string Registry::add(std::unique_ptr<ChannelGroup> group) {
   return {};
 }
 
-RankHandle Registry::find(Platform platform, std::string_view channel, int ordinal) const {
+RankHandle Registry::find(Platform platform, std::string_view channel, std::string_view partition,
+                          int ordinal) const {
   std::shared_lock lock(mutex_);
-  return find_locked(platform, channel, ordinal);
+  return find_locked(platform, channel, partition, ordinal);
 }
 
-RankLease Registry::lease(Platform platform, std::string_view channel, int ordinal) const {
+RankLease Registry::lease(Platform platform, std::string_view channel, std::string_view partition,
+                          int ordinal) const {
   RankLease lease;
   lease.lock = std::shared_lock(mutex_);
-  static_cast<RankHandle&>(lease) = find_locked(platform, channel, ordinal);
+  static_cast<RankHandle&>(lease) = find_locked(platform, channel, partition, ordinal);
   return lease;
 }
 
-RankHandle Registry::find_locked(Platform platform, std::string_view channel, int ordinal) const {
+RankHandle Registry::find_locked(Platform platform, std::string_view channel, std::string_view partition,
+                                 int ordinal) const {
   for (const auto& group : groups_) {
     if (group->platform() != platform || group->channel() != channel) continue;
+    if (!partition.empty() && group->partition() != partition) continue;
     const auto& ordinals = group->ordinals();
     for (size_t r = 0; r < ordinals.size(); ++r) {
       if (ordinals[r] == ordinal && ordinal != kRemoteRank) return RankHandle{group.get(), static_cast<int>(r)};
@@ -53,12 +60,14 @@ RankHandle Registry::find_locked(Platform platform, std::string_view channel, in
   return {};
 }
 
-bool Registry::revive(Platform platform, std::string_view channel, const std::vector<int>& ordinals,
+bool Registry::revive(Platform platform, std::string_view channel, std::string_view partition,
+                      const std::vector<int>& ordinals,
                       const ChannelOptions& options) {
   std::unique_lock lock(mutex_);
   for (auto it = released_.begin(); it != released_.end(); ++it) {
     ChannelGroup& group = **it;
-    if (group.platform() != platform || group.channel() != channel || group.ordinals() != ordinals ||
+    if (group.platform() != platform || group.channel() != channel || group.partition() != partition ||
+        group.ordinals() != ordinals ||
         !(group.options() == options) || !group.wait_idle() || !group.reset()) {
       continue;
     }

@@ -60,6 +60,12 @@ class ChannelGroup {
   virtual ~ChannelGroup() = default;
 
   const std::string& channel() const { return channel_; }
+  // The partition of devices along a mesh axis this group is one group of
+  // (the global device ids of every group, "0,1;2,3"): a channel name serves
+  // any number of partitions, each device in at most one group of each
+  // (DESIGN C18). The custom call names it in its `group` attribute.
+  const std::string& partition() const { return partition_; }
+  void set_partition(std::string partition) { partition_ = std::move(partition); }
   Platform platform() const { return platform_; }
   const std::vector<int>& ordinals() const { return ordinals_; }
   const ChannelOptions& options() const { return options_; }
@@ -101,6 +107,7 @@ class ChannelGroup {
 
  protected:
   std::string channel_;
+  std::string partition_;
   Platform platform_;
   std::vector<int> ordinals_;
   ChannelOptions options_;
@@ -132,11 +139,13 @@ class Registry {
   std::string add(std::unique_ptr<ChannelGroup> group);
   // A released group of `channel` on exactly these ordinals and options, put
   // back into use after a reset (ChannelGroup::reset); false if none.
-  bool revive(Platform platform, std::string_view channel, const std::vector<int>& ordinals,
+  bool revive(Platform platform, std::string_view channel, std::string_view partition, const std::vector<int>& ordinals,
               const ChannelOptions& options);
-  RankHandle find(Platform platform, std::string_view channel, int ordinal) const;
+  // The rank of device `ordinal` in the group of `channel` over `partition`
+  // (empty: the first group of the channel with that device).
+  RankHandle find(Platform platform, std::string_view channel, std::string_view partition, int ordinal) const;
   // find, for a handler: see RankLease.
-  RankLease lease(Platform platform, std::string_view channel, int ordinal) const;
+  RankLease lease(Platform platform, std::string_view channel, std::string_view partition, int ordinal) const;
   // Takes every group of `channel` on `platform` out of use (handlers no
   // longer find it) and waits until no queued work can touch it. Its memory
   // stays, for the life of the process (DESIGN C16): a cached executable or
@@ -150,7 +159,7 @@ class Registry {
   std::vector<const ChannelGroup*> groups() const;
 
  private:
-  RankHandle find_locked(Platform platform, std::string_view channel, int ordinal) const;
+  RankHandle find_locked(Platform platform, std::string_view channel, std::string_view partition, int ordinal) const;
 
   mutable std::shared_mutex mutex_;
   std::vector<std::unique_ptr<ChannelGroup>> groups_;

@@ -213,7 +213,7 @@ def test_a_group_whose_transport_fails_lowers_to_psum_or_raises_under_strict(cpu
   # making preparation fail the way the probe does.
   from b12x_jax import _native
 
-  def failing_prepare(platform, channel, ordinals, options):
+  def failing_prepare(platform, channel, partition, ordinals, options):
     raise b12x_jax.TransportError(f"peer access between devices {ordinals} does not work: simulated")
 
   comm = b12x_jax.get_communicator()

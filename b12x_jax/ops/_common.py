@@ -12,7 +12,7 @@ from jax.interpreters import mlir
 
 from b12x_jax import _compat, _native
 from b12x_jax.channels import ChannelOrder, channel_memory
-from b12x_jax.communicator import get_communicator
+from b12x_jax.communicator import get_communicator, partition_key
 
 
 def axis_size(axis_name: str, op: str) -> int:
@@ -55,7 +55,8 @@ def _lowering(op: str, target: str, fallback: Callable, fallback_path: str) -> C
       # the call's operands and results its own.
       token_in, *args = _compat.optimization_barrier([token_in, *args])
     token_ctx = ctx.replace(avals_in=(token, *ctx.avals_in), avals_out=(token, *ctx.avals_out))
-    token_out, *results = ffi_rule(token_ctx, token_in, *args, channel_id=channel, **params)
+    token_out, *results = ffi_rule(token_ctx, token_in, *args, channel_id=channel, group=partition_key(groups),
+                                   **params)
     if platform == "cuda":
       token_out, *results = _compat.optimization_barrier([token_out, *results])
     ctx.set_tokens_out(mlir.TokenSet({effect: token_out}))

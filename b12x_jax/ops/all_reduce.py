@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import ad, batching
 
 from b12x_jax import _compat, tuning
 from b12x_jax.channels import resolve_channel
@@ -20,43 +21,81 @@ _ALGORITHM_CODES = {"one_shot": 0, "two_shot": 1, "one_shot_pull": 2}
 
 
 def _check_operand(x) -> jax.Array:
+  """A leaf of x as an array: arrays and Python or NumPy numbers, as psum takes."""
+  if isinstance(x, (bool, int, float, complex, np.number)):
+    return jnp.asarray(x)
   if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-    raise TypeError(f"b12x_jax.{_OP}: x must be an array, got {type(x).__name__}")
+    raise TypeError(f"b12x_jax.{_OP}: x must be an array (or a pytree of arrays), got {type(x).__name__}")
   return jnp.asarray(x)
 
 
 # -- public function -------------------------------------------------------------
 
 
-def all_reduce(x, axis_name: str, *, channel: str | None = None) -> jax.Array:
+def all_reduce(x, axis_name, *, axis_index_groups=None, channel: str | None = None):
   """Sum of ``x`` over the devices of mesh axis ``axis_name``, like
-  ``jax.lax.psum(x, axis_name)``.
+  ``jax.lax.psum(x, axis_name)``: a drop-in for it, under jax.grad, jvp,
+  vmap and checkpoint too.
 
   Call it inside ``jax.shard_map`` (under ``jax.jit``). Every rank gets the
   same bits: fp32 accumulation in rank order 0..N-1, one rounding to x's
   dtype. Runs on the channel of the enclosing ``b12x_jax.channel`` scope
   (or ``channel``; "default" outside any scope).
 
-  Takes the b12x path for float32/bfloat16/float16 payloads that are a
-  multiple of 16 bytes and at most the communicator's ``capacity_bytes``;
-  otherwise psum (policy "auto") or an IneligibleError (policy "strict").
-  Under "auto", psum also where the measured crossovers say it is faster.
-  Above the Lamport window the kernel is one-shot or two-shot by the
-  communicator's ``algorithm`` (b12x_jax.tuning when "auto"). The choice
-  and the reason are recorded in ``get_communicator().decisions``.
+  ``x`` may be a pytree (one call per leaf); ``axis_name`` a name or a tuple
+  of names, and ``axis_index_groups`` what psum takes. The b12x path takes
+  one shard_map mesh axis without groups, float32/bfloat16/float16 payloads
+  that are a multiple of 16 bytes and at most the communicator's
+  ``capacity_bytes``; anything else (a tuple of several axes, groups, a
+  ``vmap`` axis name) is psum under policy "auto" or an IneligibleError
+  under "strict". Under "auto", psum also where the measured crossovers say
+  it is faster. Above the Lamport window the kernel is one-shot or two-shot
+  by the communicator's ``algorithm`` (b12x_jax.tuning when "auto"). The
+  choice and the reason are recorded in ``get_communicator().decisions``.
+
+  Differentiation follows psum: the tangent is an all_reduce on the same
+  channel; the cotangent is the cotangent itself where shard_map tracks
+  varying axes (check_vma, the default), else its all_reduce.
   """
+  leaves, tree = jax.tree.flatten(x)
+  if not leaves:
+    raise TypeError(f"b12x_jax.{_OP}: x must be an array or a pytree of arrays, got {x!r}")
+  return tree.unflatten([_all_reduce_leaf(leaf, axis_name, axis_index_groups, channel) for leaf in leaves])
+
+
+def _all_reduce_leaf(x, axis_name, axis_index_groups, channel: str | None) -> jax.Array:
   x = _check_operand(x)
-  size = axis_size(axis_name, _OP)
+  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
   name = resolve_channel(channel, _OP)
-  if size == 1 or x.size == 0:  # nothing crosses a link; psum's type (invariant over the axis)
-    return jax.lax.psum(x, axis_name)
+  sizes = [axis_size(a, _OP) for a in axes]
+  psum = lambda: jax.lax.psum(x, axis_name, axis_index_groups=axis_index_groups)  # noqa: E731
+  if x.size == 0 or all(s == 1 for s in sizes):  # nothing crosses a link; psum's type (invariant over the axis)
+    return psum()
   comm = get_communicator()
+  why_not = _why_psum_only(axes, axis_index_groups)
+  if why_not is not None:
+    comm.outside_window(_OP, name, *why_not)
+    return psum()
+  (axis,), (size,) = axes, sizes
   nbytes = x.size * x.dtype.itemsize
   algorithm, why, psum_is_faster = _algorithm(comm, nbytes, size)
   decision = comm.choose_path(_OP, name, nbytes, x.dtype, size, detail=why, prefer_fallback=psum_is_faster)
   if decision.path == "psum":
-    return jax.lax.psum(x, axis_name)
-  return all_reduce_p.bind(x, axis_name=axis_name, channel=name, algorithm=np.int32(_ALGORITHM_CODES[algorithm]))
+    return psum()
+  return all_reduce_p.bind(x, axis_name=axis, channel=name, algorithm=np.int32(_ALGORITHM_CODES[algorithm]))
+
+
+def _why_psum_only(axes: tuple, axis_index_groups) -> tuple[str, str] | None:
+  """(reason, fix) where only psum can run the sum, else None: a channel is
+  one group of devices along one shard_map mesh axis."""
+  if axis_index_groups is not None:
+    return "axis_index_groups splits the axis into groups", "Sum over a mesh axis of the group's size instead"
+  if len(axes) != 1:
+    return f"it sums over several axes {axes}", "Sum over one mesh axis per call"
+  if axes[0] not in _compat.manual_axes():
+    return (f"axis {axes[0]!r} is not a jax.shard_map mesh axis here (a vmap axis name?)",
+            "Sum over a mesh axis of the enclosing jax.shard_map")
+  return None
 
 
 def _algorithm(comm, nbytes: int, size: int) -> tuple[str, str, str | None]:
@@ -92,6 +131,31 @@ def _psum_path(x, *, axis_name: str, algorithm: int = 0):
   return [jax.lax.psum(x, axis_name)]
 
 
+# -- differentiation and batching ---------------------------------------------
+
+
+def _transpose(ct, x, *, axis_name: str, channel: str, algorithm: int):
+  """psum's rule (jax.lax.psum): where types track varying axes the sum's
+  cotangent reaches each rank as is, else it is summed again, on the same
+  channel."""
+  del algorithm
+  if type(ct) is ad.Zero:
+    return (ad.Zero(x.aval),)
+  if axis_name in _compat.varying_axes(x.aval):
+    return (jax.lax.pcast(ct, axis_name, to="varying"),)
+  return (all_reduce(ct, axis_name, channel=channel),)
+
+
+def _batch(args, dims, *, axis_name: str, channel: str, algorithm: int):
+  """A batched all_reduce is one all_reduce of the stacked payload, its path
+  chosen again for that size."""
+  del algorithm
+  (x,), (dim,) = args, dims
+  return all_reduce(x, axis_name, channel=channel), dim
+
+
 # -- registration ----------------------------------------------------------------
 
 all_reduce_p = collective_primitive(_TARGET, _OP, _abstract_eval, _psum_path)
+ad.deflinear2(all_reduce_p, _transpose)
+batching.primitive_batchers[all_reduce_p] = _batch

@@ -123,10 +123,10 @@ bool supported(ffi::DataType type) {
 
 ffi::Future AllReduceHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                           ffi::Result<ffi::AnyBuffer> y,
-                          std::string_view channel_id, int32_t algorithm) {
+                          std::string_view channel_id, std::string_view group, int32_t algorithm) {
   ffi::Promise promise;
   ffi::Future future(promise);
-  const RankLease handle = Registry::get().lease(Platform::kHost, channel_id, ordinal);
+  const RankLease handle = Registry::get().lease(Platform::kHost, channel_id, group, ordinal);
   const size_t bytes = x.size_bytes();
   if (!handle) {
     promise.SetError(ffi::Error::InvalidArgument(unprepared_message("all_reduce", channel_id, ordinal)));
@@ -154,10 +154,10 @@ ffi::Future AllReduceHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::Re
 ffi::Future ResidualRmsnormHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
                                 ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> normed,
                                 ffi::Result<ffi::AnyBuffer> residual_out,
-                                std::string_view channel_id, float eps) {
+                                std::string_view channel_id, std::string_view group, float eps) {
   ffi::Promise promise;
   ffi::Future future(promise);
-  const RankLease handle = Registry::get().lease(Platform::kHost, channel_id, ordinal);
+  const RankLease handle = Registry::get().lease(Platform::kHost, channel_id, group, ordinal);
   const size_t bytes = x.size_bytes();
   RowsShape s{};
   const std::string problem = rows_call_shape(x, residual, weight, s);
@@ -197,6 +197,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_all_reduce_host, b12x::AllReduceHost,
                                   .Ret<xla::ffi::Token>()
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<std::string_view>("channel_id")
+                                  .Attr<std::string_view>("group")  // the axis partition (registry.h)
                                   .Attr<int32_t>("algorithm"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_residual_rmsnorm_host, b12x::ResidualRmsnormHost,
@@ -210,4 +211,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_residual_rmsnorm_host, b12x::ResidualRmsnormH
                                   .Ret<xla::ffi::AnyBuffer>()  // normed, like x
                                   .Ret<xla::ffi::AnyBuffer>()  // residual_out, like x
                                   .Attr<std::string_view>("channel_id")
+                                  .Attr<std::string_view>("group")  // the axis partition (registry.h)
                                   .Attr<float>("eps"));

@@ -113,10 +113,11 @@ std::string check_call(const RankHandle& handle, const ffi::AnyBuffer& x, const 
 
 ffi::Future DcpA2aHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::AnyBuffer lse, ffi::Result<ffi::Token>,
                        ffi::Result<ffi::AnyBuffer> y,
-                       ffi::RemainingRets rets, std::string_view channel_id, bool base2, bool return_lse) {
+                       ffi::RemainingRets rets, std::string_view channel_id, std::string_view group, bool base2,
+                       bool return_lse) {
   ffi::Promise promise;
   ffi::Future future(promise);
-  const RankLease handle = Registry::get().lease(Platform::kHost, channel_id, ordinal);
+  const RankLease handle = Registry::get().lease(Platform::kHost, channel_id, group, ordinal);
   DcpShape s{};
   float* out_lse = nullptr;
   const std::string problem = handle ? check_call(handle, x, lse, rets, base2, return_lse, s, out_lse)
@@ -147,5 +148,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_dcp_a2a_host, b12x::DcpA2aHost,
                                   .Ret<xla::ffi::AnyBuffer>()  // merged out [B, H/N, D]
                                   .RemainingRets()             // merged lse [B, H/N], when asked for
                                   .Attr<std::string_view>("channel_id")
+                                  .Attr<std::string_view>("group")  // the axis partition (registry.h)
                                   .Attr<bool>("base2")
                                   .Attr<bool>("return_lse"));

@@ -87,8 +87,8 @@ void launch(const Plan& plan, cudaStream_t stream, const ChannelView& v, const P
 
 ffi::Error AllReduceCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::AnyBuffer x,
                          ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y,
-                         std::string_view channel_id, int32_t algorithm) {
-  const RankLease handle = Registry::get().lease(Platform::kCuda, channel_id, ordinal);
+                         std::string_view channel_id, std::string_view group, int32_t algorithm) {
+  const RankLease handle = Registry::get().lease(Platform::kCuda, channel_id, group, ordinal);
   if (!handle) return ffi::Error::InvalidArgument(unprepared_message("all_reduce", channel_id, ordinal));
   // A timeout recorded by an earlier call (also one replayed from a CUDA
   // graph) surfaces here, without a sync: the record is in mapped host memory.
@@ -143,5 +143,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_all_reduce_cuda, b12x::AllReduceCuda,
                                   .Ret<xla::ffi::Token>()
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<std::string_view>("channel_id")
+                                  .Attr<std::string_view>("group")  // the axis partition (registry.h)
                                   .Attr<int32_t>("algorithm"),  // above the Lamport window: see Algorithm
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -125,9 +125,10 @@ int want_grid(const DcpShape& s) {
 }
 
 ffi::Error DcpA2aCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::AnyBuffer lse,
-                      ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y, ffi::RemainingRets rets, std::string_view channel_id, bool base2,
+                      ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y, ffi::RemainingRets rets,
+                      std::string_view channel_id, std::string_view group, bool base2,
                       bool return_lse) {
-  const RankLease handle = Registry::get().lease(Platform::kCuda, channel_id, ordinal);
+  const RankLease handle = Registry::get().lease(Platform::kCuda, channel_id, group, ordinal);
   if (!handle) return ffi::Error::InvalidArgument(unprepared_message("dcp_a2a", channel_id, ordinal));
   // A timeout recorded by an earlier call (also one replayed from a CUDA
   // graph) surfaces here, without a sync: the record is in mapped host memory.
@@ -181,6 +182,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_dcp_a2a_cuda, b12x::DcpA2aCuda,
                                   .Ret<xla::ffi::AnyBuffer>()  // merged out [B, H/N, D]
                                   .RemainingRets()             // merged lse [B, H/N], when asked for
                                   .Attr<std::string_view>("channel_id")
+                                  .Attr<std::string_view>("group")  // the axis partition (registry.h)
                                   .Attr<bool>("base2")
                                   .Attr<bool>("return_lse"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -78,9 +78,10 @@ __global__ void __launch_bounds__(kThreads)
 ffi::Error ResidualRmsnormCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::AnyBuffer x,
                                ffi::AnyBuffer residual, ffi::AnyBuffer weight, ffi::Result<ffi::Token>,
                                ffi::Result<ffi::AnyBuffer> normed,
-                               ffi::Result<ffi::AnyBuffer> residual_out, std::string_view channel_id, float eps) {
+                               ffi::Result<ffi::AnyBuffer> residual_out, std::string_view channel_id,
+                               std::string_view group, float eps) {
   const std::string op = "b12x_jax.all_reduce_residual_rmsnorm: ";
-  const RankLease handle = Registry::get().lease(Platform::kCuda, channel_id, ordinal);
+  const RankLease handle = Registry::get().lease(Platform::kCuda, channel_id, group, ordinal);
   if (!handle) return ffi::Error::InvalidArgument(unprepared_message("all_reduce_residual_rmsnorm", channel_id, ordinal));
   const std::string earlier = pending_error(*handle.group, handle.rank);
   if (!earlier.empty()) return ffi::Error::Internal(earlier);
@@ -135,5 +136,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_residual_rmsnorm_cuda, b12x::ResidualRmsnormC
                                   .Ret<xla::ffi::AnyBuffer>()  // normed, like x
                                   .Ret<xla::ffi::AnyBuffer>()  // residual_out, like x
                                   .Attr<std::string_view>("channel_id")
+                                  .Attr<std::string_view>("group")  // the axis partition (registry.h)
                                   .Attr<float>("eps"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -131,7 +131,7 @@ def test_a_failed_peer_probe_lowers_to_psum_or_raises_under_strict(monkeypatch):
   # this group, the rest of the path (fallback decision, psum lowering, strict error) is the real one.
   from b12x_jax import _native
 
-  def failing_prepare(platform, channel, ordinals, options):
+  def failing_prepare(platform, channel, partition, ordinals, options):
     raise b12x_jax.TransportError(f"peer access between devices {ordinals} does not work: simulated")
 
   mesh = _mesh()
