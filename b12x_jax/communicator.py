@@ -147,6 +147,7 @@ class Communicator:
     self._shared: dict[tuple[str, str], set[int]] = {}
     self._closed = False
     self.generation = next(_generations)  # tells communicators apart in jit's cache key
+    self._releases = 0
 
   # -- the per-call decision (DESIGN C12) ------------------------------------
 
@@ -364,12 +365,17 @@ class Communicator:
     executable or CUDA graph may still point at it. Preparing the same group
     with the same settings again reuses it, reset; a cached executable run
     after ``release`` and before that raises "not prepared" (or, replayed
-    from a CUDA graph, runs on the kept memory: never on freed memory).
+    from a CUDA graph, runs on the kept memory: never on freed memory); a
+    jitted function is traced again on its next call instead (a release is
+    part of jit's cache key), and that prepares the channel by itself.
 
     Where the channel is shared between processes this is collective
     (rendezvous.release_shared): call it on every process."""
     settle()
     with self._lock:
+      self._releases += 1
+      if self is _active:  # what was traced on the channel is traced again, and prepares it again
+        _communicator_key.set_global(self.cache_key())
       for platform, name in list(self._groups):
         if name != channel:
           continue
@@ -400,13 +406,19 @@ class Communicator:
     traces the block on ``channel``, then releases the channel whether the
     block succeeded or raised (collectively where it is shared between
     processes: every process must leave the block), so the name can be
-    prepared again later. Executables compiled inside keep the channel name:
-    run them again only after preparing it again (``prepare``)."""
+    prepared again later. A jitted function traced inside prepares the
+    channel again by itself on its next call (it is traced again); an
+    AOT-compiled one runs again only after ``prepare``."""
     with channel_scope(channel):
       try:
         yield channel
       finally:
         self.release(channel)
+
+  def cache_key(self) -> tuple[int, int]:
+    """This communicator's part of jit's cache key: which communicator, and
+    how many releases ago a function was traced (every release retraces)."""
+    return (self.generation, self._releases)
 
   @property
   def closed(self) -> bool:
@@ -433,11 +445,14 @@ _active_lock = threading.Lock()
 
 
 def get_communicator() -> Communicator:
-  """The communicator of this process; a default one is made on first use."""
+  """The communicator of this process; a default one is made on first use,
+  under the cache key set at import, so the first traced function is not
+  traced (and compiled) a second time."""
   global _active
   with _active_lock:
     if _active is None:
-      _install(Communicator())
+      _active = Communicator()
+      _active.generation = _DEFAULT_GENERATION  # its key, (0, 0), is already jit's
     return _active
 
 
@@ -459,13 +474,15 @@ def set_communicator(communicator: Communicator) -> None:
 # one communicator is traced again under the next instead of reusing
 # decisions (and channels) the new one never made.
 _communicator_key = jax.make_user_context(default_value=None)
-_generations = itertools.count(1)
+_DEFAULT_GENERATION = 0  # the default communicator's, whose key is set here, before any trace
+_generations = itertools.count(_DEFAULT_GENERATION + 1)
+_communicator_key.set_global((_DEFAULT_GENERATION, 0))
 
 
 def _install(communicator: Communicator) -> None:
   global _active
   _active = communicator
-  _communicator_key.set_global(communicator.generation)
+  _communicator_key.set_global(communicator.cache_key())
 
 
 def check_errors() -> None:

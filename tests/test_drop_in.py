@@ -127,3 +127,49 @@ def test_one_channel_serves_any_device_group_in_one_process(cpu_mesh):
     np.testing.assert_allclose(np.asarray(got).reshape(-1), shards.astype(np.float64).sum((0, 1)), rtol=1e-5,
                                atol=1e-5)
     assert len(b12x_jax.get_communicator().prepared_channels()["default"]) == 1 + 1 + 1 + 2 + 2
+
+
+def test_the_fused_op_and_dcp_a2a_differentiate_like_their_fallback_formulas(cpu_mesh):
+  mesh = cpu_mesh(2)
+  rng = np.random.default_rng(6)
+  x = _sharded(mesh, rng.standard_normal((2 * 4, 64)).astype(np.float32))
+  res = jnp.asarray(rng.standard_normal((4, 64)).astype(np.float32))
+  w = jnp.asarray((1 + 0.1 * rng.standard_normal(64)).astype(np.float32))
+
+  def fused_loss(fused, v):
+    normed, new_residual = fused(v)
+    return jnp.sum(normed * jnp.cos(new_residual))
+
+  ours = lambda v: b12x_jax.all_reduce_residual_rmsnorm(v, res, w, "x")  # noqa: E731
+  def theirs(v):
+    total = (jax.lax.psum(v, "x") + res).astype(v.dtype)
+    r = total.astype(jnp.float32)
+    return (r * jax.lax.rsqrt(jnp.mean(r * r, -1, keepdims=True) + 1e-6) * w).astype(v.dtype), total
+  grads = []
+  with fresh_communicator() as comm, b12x_jax.channel("fused-ad"):
+    for fused in (ours, theirs):
+      fn = jax.jit(jax.shard_map(jax.grad(lambda v: fused_loss(fused, v)), mesh=mesh, in_specs=P("x"),
+                                 out_specs=P("x"), check_vma=False))
+      grads.append(np.asarray(fn(x)))
+    assert any(d.op == "all_reduce_residual_rmsnorm" and d.path == "b12x" for d in comm.decisions)
+  np.testing.assert_allclose(grads[0], grads[1], rtol=1e-4, atol=1e-5)
+
+  out = _sharded(mesh, rng.standard_normal((2 * 2, 8, 64)).astype(np.float32).astype(jnp.bfloat16))
+  lse = _sharded(mesh, rng.standard_normal((2 * 2, 8)).astype(np.float32))
+
+  def merge_loss(o, l, use_b12x):
+    if use_b12x:
+      merged = b12x_jax.dcp_a2a(o, l, "x")
+    else:
+      from b12x_jax.ops.dcp_a2a import _all_to_all_path
+      merged = _all_to_all_path(o, l, axis_name="x", base2=False, return_lse=False)[0]
+    return jnp.sum(merged.astype(jnp.float32) ** 2)
+
+  dcp_grads = []
+  with fresh_communicator() as comm, b12x_jax.channel("dcp-ad"):
+    for use_b12x in (True, False):
+      fn = jax.jit(jax.shard_map(jax.grad(lambda o, l: merge_loss(o, l, use_b12x), argnums=1), mesh=mesh,
+                                 in_specs=(P("x"), P("x")), out_specs=P("x"), check_vma=False))
+      dcp_grads.append(np.asarray(fn(out, lse)))
+    assert any(d.op == "dcp_a2a" and d.path == "b12x" for d in comm.decisions)
+  np.testing.assert_allclose(dcp_grads[0], dcp_grads[1], rtol=1e-3, atol=1e-4)

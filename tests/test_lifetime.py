@@ -10,6 +10,7 @@ under compute-sanitizer.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -23,22 +24,22 @@ from jax.sharding import PartitionSpec as P
 import b12x_jax
 
 
-def test_a_cached_executable_raises_not_prepared_after_release_and_is_right_once_prepared_again(cpu_mesh):
+def test_a_compiled_executable_raises_not_prepared_after_release_and_is_right_once_prepared_again(cpu_mesh):
   mesh = cpu_mesh(2)
   rng = np.random.default_rng(11)
   with fresh_communicator(poison_outputs=True) as comm:
     fn = jax.jit(jax.shard_map(lambda v: b12x_jax.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
     with b12x_jax.channel("reused"):
+      compiled = fn.lower(put_sharded(mesh, random_shards(rng, 2, 1024, np.float32))).compile()
       for cycle in range(3):
         for _ in range(2):
           shards = random_shards(rng, 2, 1024, np.float32)
-          assert_sum_matches(np.asarray(fn(put_sharded(mesh, shards))).reshape(2, -1), shards, "float32")
+          assert_sum_matches(np.asarray(compiled(put_sharded(mesh, shards))).reshape(2, -1), shards, "float32")
         assert comm.stats("reused", mesh.devices[0])["epoch"] == 2  # reset at every preparation
         comm.release("reused")
         with pytest.raises(Exception, match="channel 'reused' is not prepared on device"):
-          np.asarray(fn(put_sharded(mesh, shards)))
+          np.asarray(compiled(put_sharded(mesh, shards)))
         comm.prepare(mesh, "x", channels=["reused"])
-    assert fn._cache_size() == 1  # one executable all along: nothing was traced again
 
 
 def test_a_process_that_exits_with_calls_in_flight_ends_cleanly():
@@ -47,3 +48,35 @@ def test_a_process_that_exits_with_calls_in_flight_ends_cleanly():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "RESULT" in proc.stdout, proc.stderr[-2000:]
     assert "terminate called" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_jitted_function_prepares_its_channel_again_by_itself_after_a_release(cpu_mesh):
+  mesh = cpu_mesh(2)
+  rng = np.random.default_rng(12)
+  traces = []
+  with fresh_communicator(poison_outputs=True) as comm:
+    def body(v):
+      traces.append(1)
+      return b12x_jax.all_reduce(v, "x")
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    with b12x_jax.channel("again"):
+      for cycle in range(3):
+        shards = random_shards(rng, 2, 1024, np.float32)
+        assert_sum_matches(np.asarray(fn(put_sharded(mesh, shards))).reshape(2, -1), shards, "float32")
+        comm.release("again")  # no prepare(): the next call traces again and prepares
+    assert len(traces) == 3 and "again" not in comm.prepared_channels()
+
+
+def test_the_first_function_of_a_process_is_traced_once():
+  code = ("import os; os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=2'\n"
+          "import jax, numpy as np, b12x_jax\n"
+          "from jax.sharding import PartitionSpec as P, NamedSharding\n"
+          "mesh = jax.make_mesh((2,), ('x',)); traces = []\n"
+          "def body(v):\n  traces.append(1); return b12x_jax.all_reduce(v, 'x')\n"
+          "fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P('x'), out_specs=P('x')))\n"
+          "x = jax.device_put(np.ones(2 * 256, np.float32), NamedSharding(mesh, P('x')))\n"
+          "fn(x).block_until_ready(); fn(x).block_until_ready()\n"
+          "print('TRACES', len(traces), fn._cache_size())\n")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+  assert "TRACES 1 1" in proc.stdout, proc.stdout + proc.stderr[-2000:]

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import jax
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
+from jax.interpreters import ad, mlir
 
 from b12x_jax import _compat, _native
 from b12x_jax.channels import ChannelOrder, channel_memory
@@ -63,6 +63,20 @@ def _lowering(op: str, target: str, fallback: Callable, fallback_path: str) -> C
     return results
 
   return rule
+
+
+def differentiate_by_fallback(primitive: Primitive, fallback: Callable) -> None:
+  """Gives ``primitive`` a JVP: the primal from the primitive, the tangent
+  from ``fallback``'s formula (jax collectives, which JAX knows how to
+  linearize and transpose), so grad and jvp see the same math as the
+  fallback path."""
+  def jvp(primals, tangents, *, channel: str, **params):
+    outs = primitive.bind(*primals, channel=channel, **params)
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    _, tangent_outs = jax.jvp(lambda *args: fallback(*args, **params), tuple(primals), tuple(tangents))
+    return outs, tangent_outs
+
+  ad.primitive_jvps[primitive] = jvp
 
 
 def collective_primitive(name: str, op: str, abstract_eval: Callable, fallback: Callable,

@@ -9,7 +9,7 @@ import numpy as np
 from b12x_jax import _compat
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import PACK_BYTES, get_communicator
-from b12x_jax.ops._common import axis_size, collective_primitive
+from b12x_jax.ops._common import axis_size, collective_primitive, differentiate_by_fallback
 
 _OP = "dcp_a2a"
 _TARGET = "b12x_dcp_a2a"
@@ -168,3 +168,4 @@ def _all_to_all_path(out, lse, *, axis_name: str, base2: bool, return_lse: bool)
 
 dcp_a2a_p = collective_primitive(_TARGET, _OP, _abstract_eval, _all_to_all_path, _FALLBACK,
                                  multiple_results=True)
+differentiate_by_fallback(dcp_a2a_p, _all_to_all_path)

@@ -10,7 +10,7 @@ import numpy as np
 from b12x_jax import _compat, _native
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import PACK_BYTES, Decision, get_communicator
-from b12x_jax.ops._common import axis_size, collective_primitive
+from b12x_jax.ops._common import axis_size, collective_primitive, differentiate_by_fallback
 from b12x_jax.ops.all_reduce import all_reduce
 
 _OP = "all_reduce_residual_rmsnorm"
@@ -142,3 +142,4 @@ def _psum_path(x, residual, weight, *, axis_name: str, eps: float):
 # -- registration ----------------------------------------------------------------
 
 residual_rmsnorm_p = collective_primitive(_TARGET, _OP, _abstract_eval, _psum_path, multiple_results=True)
+differentiate_by_fallback(residual_rmsnorm_p, _psum_path)
