@@ -24,22 +24,30 @@ from jax.sharding import PartitionSpec as P
 import b12x_jax
 
 
-def test_a_compiled_executable_raises_not_prepared_after_release_and_is_right_once_prepared_again(cpu_mesh):
-  mesh = cpu_mesh(2)
+def check_compiled_across_release_and_prepare(mesh, elems: int) -> None:
+  """A compiled executable of ``elems`` floats per rank on ``mesh`` (2
+  devices), run, its channel released and prepared again, three times: on
+  the kept memory, reset at each preparation (on CUDA the graph replays the
+  pointers it captured); between a release and the next prepare it raises
+  "not prepared". Shared with tests/gpu/test_lifetime_gpu.py."""
   rng = np.random.default_rng(11)
   with fresh_communicator(poison_outputs=True) as comm:
     fn = jax.jit(jax.shard_map(lambda v: b12x_jax.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
     with b12x_jax.channel("reused"):
-      compiled = fn.lower(put_sharded(mesh, random_shards(rng, 2, 1024, np.float32))).compile()
+      compiled = fn.lower(put_sharded(mesh, random_shards(rng, 2, elems, np.float32))).compile()
       for cycle in range(3):
         for _ in range(2):
-          shards = random_shards(rng, 2, 1024, np.float32)
+          shards = random_shards(rng, 2, elems, np.float32)
           assert_sum_matches(np.asarray(compiled(put_sharded(mesh, shards))).reshape(2, -1), shards, "float32")
         assert comm.stats("reused", mesh.devices[0])["epoch"] == 2  # reset at every preparation
         comm.release("reused")
         with pytest.raises(Exception, match="channel 'reused' is not prepared on device"):
           np.asarray(compiled(put_sharded(mesh, shards)))
         comm.prepare(mesh, "x", channels=["reused"])
+
+
+def test_a_compiled_executable_raises_not_prepared_after_release_and_is_right_once_prepared_again(cpu_mesh):
+  check_compiled_across_release_and_prepare(cpu_mesh(2), 1024)
 
 
 def test_a_process_that_exits_with_calls_in_flight_ends_cleanly():
