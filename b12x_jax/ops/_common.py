@@ -27,6 +27,22 @@ def axis_size(axis_name: str, op: str) -> int:
         f"that axis ({e})") from None
 
 
+def why_not_a_mesh_axis(axis_name: str) -> tuple[str, str] | None:
+  """(reason, fix) where ``axis_name`` is bound but is no mesh axis of the
+  enclosing jax.shard_map (a ``vmap(..., axis_name=...)`` name): a channel
+  is one group of devices, which only a mesh axis names. None for a mesh
+  axis."""
+  if axis_name in _compat.manual_axes():
+    return None
+  return (f"axis {axis_name!r} is not a jax.shard_map mesh axis here (a vmap axis name?)",
+          "Use a mesh axis of the enclosing jax.shard_map")
+
+
+def batch_size(args, dims) -> int:
+  """The size of the vmapped dimension, from the arguments a batching rule
+  gets (at least one is batched)."""
+  return next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+
 
 def _lowering(op: str, target: str, fallback: Callable, fallback_path: str) -> Callable:
   """A lowering rule: prepares the call's channel for the device groups of

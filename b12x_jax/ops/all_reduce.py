@@ -10,7 +10,7 @@ from jax.interpreters import ad, batching
 from b12x_jax import _compat, tuning
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import get_communicator
-from b12x_jax.ops._common import axis_size, collective_primitive
+from b12x_jax.ops._common import axis_size, collective_primitive, why_not_a_mesh_axis
 
 _OP = "all_reduce"
 _TARGET = "b12x_all_reduce"
@@ -92,10 +92,7 @@ def _why_psum_only(axes: tuple, axis_index_groups) -> tuple[str, str] | None:
     return "axis_index_groups splits the axis into groups", "Sum over a mesh axis of the group's size instead"
   if len(axes) != 1:
     return f"it sums over several axes {axes}", "Sum over one mesh axis per call"
-  if axes[0] not in _compat.manual_axes():
-    return (f"axis {axes[0]!r} is not a jax.shard_map mesh axis here (a vmap axis name?)",
-            "Sum over a mesh axis of the enclosing jax.shard_map")
-  return None
+  return why_not_a_mesh_axis(axes[0])
 
 
 def _algorithm(comm, nbytes: int, size: int) -> tuple[str, str, str | None]:
