@@ -7,6 +7,8 @@ under vmap (one call of the folded batches), against float64."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,7 +99,7 @@ def test_a_tuple_of_axes_and_axis_index_groups_match_psum(cpu_mesh):
     assert paths == ["psum", "b12x", "b12x", "psum"], comm.decisions
 
 
-def test_a_pytree_sums_leaf_by_leaf(cpu_mesh):
+def test_a_pytree_matches_psum(cpu_mesh):
   mesh = cpu_mesh(2)
   rng = np.random.default_rng(4)
   x = _sharded(mesh, rng.standard_normal(2 * 64).astype(np.float32))
@@ -106,6 +108,75 @@ def test_a_pytree_sums_leaf_by_leaf(cpu_mesh):
                          out_specs=P())
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
       np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2)
+
+
+# Leaves of a pytree: (shape, dtype) per rank. Under a Lamport window of 4096 bytes the float32
+# leaves but the last are one call of 4 + 35 + 32 + 64 floats (540 bytes, padded to 544), the
+# bfloat16 ones one call of 9 + 16 + 33 (116 bytes, padded to 128), the last float32 leaf (8192
+# bytes) a call of its own, the int32 leaf psum.
+PYTREE = {"a": ((4,), np.float32), "b": ((5, 7), np.float32), "c": ((9,), jnp.bfloat16), "d": ((4, 8), np.float32),
+          "e": ((16,), jnp.bfloat16), "f": ((64,), np.float32), "g": ((33,), jnp.bfloat16), "h": ((8,), np.int32),
+          "i": ((2048,), np.float32)}
+PACKED_CALLS = ("tensor<136xf32>", "tensor<64xbf16>", "tensor<2048xf32>")
+
+
+def _pytree_shards(rng, n: int) -> dict:
+  return {k: (rng.integers(-9, 9, (n, *shape)) if np.dtype(dtype).kind == "i" else
+              rng.standard_normal((n, *shape))).astype(dtype) for k, (shape, dtype) in PYTREE.items()}
+
+
+def test_a_pytree_of_small_leaves_is_one_packed_call_per_dtype(cpu_mesh):
+  from helpers import assert_sum_matches
+  n = 4
+  mesh = cpu_mesh(n)
+  rng = np.random.default_rng(15)
+  every_rank = lambda tree: jax.tree.map(lambda r: r[None], tree)  # noqa: E731
+  packed = jax.jit(jax.shard_map(lambda t: every_rank(b12x_jax.all_reduce(jax.tree.map(lambda v: v[0], t), "x")),
+                                 mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  per_leaf = jax.jit(jax.shard_map(
+      lambda t: every_rank({k: b12x_jax.all_reduce(v[0], "x") for k, v in t.items()}), mesh=mesh, in_specs=P("x"),
+      out_specs=P("x")))
+  with fresh_communicator(lamport_bytes=4096, poison_outputs=True) as comm, b12x_jax.channel("packed"):
+    for _ in range(2):  # fresh inputs, two Lamport buffers
+      shards = _pytree_shards(rng, n)
+      args = {k: _sharded(mesh, v) for k, v in shards.items()}
+      got = jax.tree.map(np.asarray, packed(args))
+      alone = jax.tree.map(np.asarray, per_leaf(args))
+      for k, v in shards.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape
+        if np.dtype(v.dtype).kind == "i":
+          np.testing.assert_array_equal(got[k], np.broadcast_to(v.astype(np.int64).sum(0), v.shape))
+          continue
+        assert_sum_matches(got[k].reshape(n, -1), v.reshape(n, -1), np.dtype(v.dtype).name)
+        if v[0].nbytes % 16 == 0:  # b12x alone too: the same bits
+          np.testing.assert_array_equal(got[k].view(np.uint8), alone[k].view(np.uint8), err_msg=k)
+    packs = [d for d in comm.decisions if "packed into one call" in d.reason]
+    assert {"; ".join(d.reason.split("; ")[:2]) for d in packs} == {
+        "inside the b12x window; 4 leaves packed into one call of 544 bytes",
+        "inside the b12x window; 3 leaves packed into one call of 128 bytes"}, comm.decisions
+    assert {d.path for d in packs} == {"b12x"}
+    calls = _b12x_calls(packed, args, target="b12x_all_reduce")
+    payloads = [re.search(r": \(!stablehlo.token, (tensor<\w+>)\)", ln).group(1) for ln in calls]
+    assert sorted(payloads) == sorted(PACKED_CALLS), calls
+
+
+def test_grad_and_vmap_of_a_packed_pytree_match_psum(cpu_mesh):
+  mesh = cpu_mesh(2)
+  rng = np.random.default_rng(16)
+  x = _sharded(mesh, rng.standard_normal((2 * 3, 24)).astype(np.float32))
+
+  def loss(reduce, v):
+    tree = reduce({"sq": v * v, "sin": jnp.sin(v[:, :5]), "row": v[:, 0]}, "x")
+    return jnp.sum(tree["sq"] * v) + jnp.sum(tree["sin"] ** 2) + jnp.sum(tree["row"] * v[:, 1])
+
+  with fresh_communicator() as comm, b12x_jax.channel("packed-ad"):
+    ours, theirs = _both(mesh, lambda r, v: jax.grad(lambda u: loss(r, u))(v), x, out_specs=P("x"))
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert any("3 leaves packed" in d.reason for d in comm.decisions)
+    body = lambda r, v: jax.vmap(lambda row: r({"row": row, "half": row[:12] * 3}, "x"))(v)  # noqa: E731
+    ours, theirs = _both(mesh, body, x)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+      np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
 def test_one_channel_serves_any_device_group_in_one_process(cpu_mesh):
