@@ -256,41 +256,44 @@ def _b12x_calls(fn, *args, target: str) -> list[str]:
   return [ln for ln in fn.lower(*args).as_text().splitlines() if f"custom_call @{target}(" in ln]
 
 
-def _vmapped_dcp(mesh, vmaps: int, in_axis: int, lse_base: str = "e"):
-  """dcp_a2a with return_lse under ``vmaps`` nested jax.vmap (batch dim
-  ``in_axis`` of the outermost), inside shard_map over ``mesh``: inputs
-  [n, ...] (one [...] per rank), results [n, V..., B, H/n, ...]."""
+def _vmapped_dcp(mesh, vmaps: int, in_axis: int, lse_base: str = "e", return_lse: bool = True):
+  """dcp_a2a under ``vmaps`` nested jax.vmap (batch dim ``in_axis`` of the
+  outermost), inside shard_map over ``mesh``: inputs [n * V, ...] (one [V,
+  ...] per rank), results [n, V..., B, H/n, ...] (out, and lse with
+  ``return_lse``)."""
   def merge(o, l):
-    return b12x_jax.dcp_a2a(o, l, "x", return_lse=True, lse_base=lse_base)
+    return b12x_jax.dcp_a2a(o, l, "x", return_lse=return_lse, lse_base=lse_base)
   for _ in range(vmaps - 1):
     merge = jax.vmap(merge)
   merge = jax.vmap(merge, in_axes=in_axis)
 
   def body(o, l):
     return jax.tree.map(lambda r: r[None], merge(o, l))
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x"))))
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x")))
 
 
-@pytest.mark.parametrize("vmaps,in_axis", [(1, 0), (1, 1), (2, 0)])
-def test_vmap_of_dcp_a2a_is_one_call_over_the_folded_batch(cpu_mesh, vmaps, in_axis):
+@pytest.mark.parametrize("vmaps,in_axis,lse_base,return_lse", [(1, 0, "e", True), (1, 1, "e", True),
+                                                                (2, 0, "e", True), (1, 0, "2", False)])
+def test_vmap_of_dcp_a2a_is_one_call_over_the_folded_batch(cpu_mesh, vmaps, in_axis, lse_base, return_lse):
   n, batch, heads, dim = 2, 2, 8, 64
   vmapped = (3, 2)[:vmaps]
   mesh = cpu_mesh(n)
-  rng = np.random.default_rng([7, vmaps, in_axis])
-  fn = _vmapped_dcp(mesh, vmaps, in_axis)
+  rng = np.random.default_rng([7, vmaps, in_axis, return_lse])
+  fn = _vmapped_dcp(mesh, vmaps, in_axis, lse_base, return_lse)
   with fresh_communicator(poison_outputs=True) as comm, b12x_jax.channel("dcp-vmap"):
     for _ in range(2):  # fresh inputs, both staging slots
       rows = int(np.prod(vmapped)) * batch
-      outs, lses, want, want_lse = attention_shards(rng, n, rows, heads, dim, jnp.bfloat16)
+      outs, lses, want, want_lse = attention_shards(rng, n, rows, heads, dim, jnp.bfloat16, base2=lse_base == "2")
       o = outs.reshape(n, *vmapped, batch, heads, dim)
       l = lses.reshape(n, *vmapped, batch, heads)
       if in_axis == 1:  # the vmapped dim after B
         o, l = o.swapaxes(1, 2), l.swapaxes(1, 2)
       args = [_sharded(mesh, a.reshape(n * a.shape[1], *a.shape[2:])) for a in (o, l)]
-      got, got_lse = (np.asarray(r) for r in fn(*args))
+      got, got_lse = (np.asarray(r) for r in fn(*args)) if return_lse else (np.asarray(fn(*args)), None)
       assert got.shape == (n, *vmapped, batch, heads // n, dim)
-      assert_merge_matches(got.reshape(n, rows, heads // n, dim), got_lse.reshape(n, rows, heads // n), outs, want,
-                           want_lse, "bfloat16")
+      assert_merge_matches(got.reshape(n, rows, heads // n, dim),
+                           got_lse.reshape(n, rows, heads // n) if return_lse else None, outs, want, want_lse,
+                           "bfloat16")
     assert [d.path for d in comm.decisions if d.op == "dcp_a2a"][-1] == "b12x"
     calls = _b12x_calls(fn, *args, target="b12x_dcp_a2a")
     assert len(calls) == 1 and f"tensor<{rows}x{heads}x{dim}xbf16>" in calls[0], calls
