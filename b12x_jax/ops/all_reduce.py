@@ -44,10 +44,11 @@ def all_reduce(x, axis_name, *, axis_index_groups=None, channel: str | None = No
   dtype. Runs on the channel of the enclosing ``b12x_jax.channel`` scope
   (or ``channel``; "default" outside any scope).
 
-  ``x`` may be a pytree: leaves of one dtype whose total fits the Lamport
-  window (``lamport_bytes``) are packed into one call (padded to a multiple
-  of 16 bytes), with the bits calls of their own would give; the other
-  leaves are a call each. ``axis_name`` a name or a tuple
+  ``x`` may be a pytree: leaves of one dtype (and one set of varying axes)
+  whose total fits the Lamport window (``lamport_bytes``) are packed into
+  one call, padded to a multiple of 16 bytes (so a leaf that is not one
+  runs on b12x too); each leaf gets the bits a b12x call of its own would
+  give. The other leaves are a call each. ``axis_name`` a name or a tuple
   of names, and ``axis_index_groups`` what psum takes. The b12x path takes
   one shard_map mesh axis without groups, float32/bfloat16/float16 payloads
   that are a multiple of 16 bytes and at most the communicator's
