@@ -160,6 +160,26 @@ def test_a_pytree_of_small_leaves_is_one_packed_call_per_dtype(cpu_mesh):
     assert sorted(payloads) == sorted(PACKED_CALLS), calls
 
 
+def test_packs_fill_the_window_in_leaf_order_and_pad_leaves_strict_would_refuse_alone(cpu_mesh):
+  mesh = cpu_mesh(2)
+  rng = np.random.default_rng(17)
+  shards = [rng.standard_normal((2, 375)).astype(np.float32) for _ in range(4)]  # 1500 bytes each
+  fn = jax.jit(jax.shard_map(lambda *t: [r[None] for r in b12x_jax.all_reduce([v[0] for v in t], "x")],
+                             mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  with fresh_communicator(lamport_bytes=4096, policy="strict"), b12x_jax.channel("packs"):
+    args = [_sharded(mesh, a) for a in shards]
+    for got, a in zip(fn(*args), shards):
+      np.testing.assert_allclose(np.asarray(got), np.broadcast_to(a.astype(np.float64).sum(0), a.shape), rtol=1e-6,
+                                 atol=1e-6)
+    payloads = [re.search(r": \(!stablehlo.token, (tensor<\w+>)\)", ln).group(1)
+                for ln in _b12x_calls(fn, *args, target="b12x_all_reduce")]
+    assert payloads == ["tensor<752xf32>"] * 2, payloads  # leaves 0, 1 and 2, 3: 3000 bytes padded to 3008 each
+  with fresh_communicator(policy="strict"), b12x_jax.channel("packs"), pytest.raises(
+      b12x_jax.IneligibleError, match="payload of 1500 bytes is not a multiple of 16 bytes"):
+    jax.jit(jax.shard_map(lambda v: b12x_jax.all_reduce(v[0], "x"), mesh=mesh, in_specs=P("x"),
+                          out_specs=P())).lower(args[0])
+
+
 def test_grad_and_vmap_of_a_packed_pytree_match_psum(cpu_mesh):
   mesh = cpu_mesh(2)
   rng = np.random.default_rng(16)
