@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import (assert_merge_matches, assert_residual_rmsnorm_matches, attention_shards, fresh_communicator,
-                     residual_rmsnorm_fn)
+from helpers import (assert_merge_matches, assert_residual_rmsnorm_matches, assert_sum_matches, attention_shards,
+                     fresh_communicator, residual_rmsnorm_fn, residual_rmsnorm_inputs)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -126,7 +126,6 @@ def _pytree_shards(rng, n: int) -> dict:
 
 
 def test_a_pytree_of_small_leaves_is_one_packed_call_per_dtype(cpu_mesh):
-  from helpers import assert_sum_matches
   n = 4
   mesh = cpu_mesh(n)
   rng = np.random.default_rng(15)
@@ -417,7 +416,6 @@ def _vmapped_fused(mesh, vmaps: int, in_axis: int, batched_residual: bool = True
 def _check_fused(fn, mesh, rng, vmapped: tuple, in_axis: int, rows: int, hidden: int, *, batched_residual=True,
                  batched_weight=False, dtype_name="float32"):
   """Runs ``fn`` (_vmapped_fused) on fresh inputs; every batch against float64."""
-  from helpers import residual_rmsnorm_inputs
   n, count = mesh.devices.size, int(np.prod(vmapped))
   shards, residual, weight = residual_rmsnorm_inputs(rng, n, count * rows, hidden, dtype_name)
   residuals = residual.reshape(count, rows, hidden) if batched_residual else np.broadcast_to(
@@ -471,14 +469,12 @@ def test_vmap_of_the_fused_op_with_a_batched_weight_or_too_many_rows_is_unfused(
     assert unfused and "exceed the 1 Lamport cells of 2048 bytes" in unfused[-1].reason, comm.decisions
     assert not _b12x_calls(fn, *args, target="b12x_residual_rmsnorm")
     unbatched = residual_rmsnorm_fn(mesh)
-    from helpers import residual_rmsnorm_inputs
     shards, residual, weight = residual_rmsnorm_inputs(rng, 2, 4, 64, "float32")
     unbatched(_sharded(mesh, shards), residual, weight)
     assert comm.decisions[-1].op == "all_reduce_residual_rmsnorm" and comm.decisions[-1].path == "b12x"
 
 
 def test_the_fused_op_over_a_vmap_axis_name_is_unfused_or_raises(cpu_mesh):
-  from helpers import residual_rmsnorm_inputs
   mesh = cpu_mesh(2)
   sources, rows, hidden = 2, 2, 64
   rng = np.random.default_rng(13)
