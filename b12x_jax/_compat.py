@@ -141,7 +141,10 @@ def effect_base() -> type:
 def register_effect(effect_type: type, *, ordered: bool) -> None:
   """Makes ``effect_type`` an effect JAX lowers, allows inside control flow
   and AD, and, if ``ordered``, threads a token through, in multi-device
-  programs too."""
+  programs too. ``jax.export.deserialize`` finds an effect among the types
+  registered here as lowerable, by ``str`` of the class, and makes it by
+  calling the class with no argument (checked on jax 0.11.2 and 0.12.0.1:
+  channels.channel_order)."""
   from jax._src import effects
   registries = [effects.lowerable_effects, effects.control_flow_allowed_effects,
                 effects.custom_derivatives_allowed_effects, effects.remat_allowed_effects]

@@ -14,7 +14,8 @@ Known escapes (by construction of JAX, documented and tested):
   * other Python threads do not see a scope entered in this thread;
   * a ``vjp_fn`` called outside the scope traces under the scope active then;
   * AOT-compiled (``lower().compile()``) and exported functions keep the
-    channel they were lowered with.
+    channel they were lowered with (an exported one names it in its ordered
+    effect, ``channel_order``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import dataclasses
 import re
 import threading
 from collections.abc import Iterator
+from typing import ClassVar
 
 import jax
 
@@ -41,9 +43,9 @@ _channel_context = jax.make_user_context(default_value=None)
 _strict = threading.Event()
 
 
-@dataclasses.dataclass(frozen=True)
 class ChannelOrder(_compat.effect_base()):
-  """The ordered effect of every call on ``channel`` (DESIGN C15).
+  """The ordered effect of every call on one channel (DESIGN C15); made by
+  ``channel_order(name)``.
 
   JAX threads one token per effect through the program: each call on a
   channel takes the token of the call before it and hands its own to the
@@ -51,8 +53,44 @@ class ChannelOrder(_compat.effect_base()):
   next in dispatch order. So every device runs a channel's calls in program
   order, whatever XLA's schedule (XLA:CPU runs independent custom calls in
   different orders on different devices), and two channels stay independent.
+
+  Each channel's effect is an instance of a class of its own, named after
+  the channel, whose constructor takes no argument: ``jax.export``
+  serializes an effect as its class's name and deserializes it by calling
+  the registered class of that name, so the name must say the channel and
+  the class must make the effect by itself. Instances of one class are
+  equal.
   """
-  channel: str
+  channel: ClassVar[str]
+
+  def __eq__(self, other) -> bool:
+    return type(other) is type(self)
+
+  def __hash__(self) -> int:
+    return hash((ChannelOrder, self.channel))
+
+  def __repr__(self) -> str:
+    return f"ChannelOrder(channel={self.channel!r})"
+
+
+_order_types: dict[str, type[ChannelOrder]] = {}
+_order_types_lock = threading.Lock()
+
+
+def channel_order(name: str) -> ChannelOrder:
+  """The ordered effect of channel ``name`` (a valid channel name). Its
+  class is made and registered with JAX on first use: before
+  ``jax.export.deserialize`` of a module with calls on ``name``, something
+  in the process must have made it (``channel(name)``,
+  ``Communicator.prepare`` or a traced call on the channel)."""
+  with _order_types_lock:
+    order_type = _order_types.get(name)
+    if order_type is None:
+      order_type = type(f"ChannelOrder[{name}]", (ChannelOrder,),
+                        {"channel": name, "__module__": __name__, "__qualname__": f"ChannelOrder[{name}]"})
+      _compat.register_effect(order_type, ordered=True)
+      _order_types[name] = order_type
+  return order_type()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +105,6 @@ class ChannelMemory(_compat.effect_base()):
 
 
 channel_memory = ChannelMemory()
-_compat.register_effect(ChannelOrder, ordered=True)
 _compat.register_effect(ChannelMemory, ordered=False)
 
 
@@ -96,6 +133,7 @@ def channel(name: str) -> Iterator[str]:
   Scopes nest; the innermost wins. Yields the name.
   """
   validate_channel_name(name, "b12x_jax.channel")
+  channel_order(name)  # what jax.export.deserialize of a module on this channel looks up
   with _channel_context(name):
     yield name
 

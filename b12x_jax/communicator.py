@@ -32,7 +32,7 @@ import jax
 
 from b12x_jax import _compat, _native, rendezvous
 from b12x_jax.channels import channel as channel_scope
-from b12x_jax.channels import is_strict, settle, validate_channel_name
+from b12x_jax.channels import channel_order, is_strict, settle, validate_channel_name
 from b12x_jax.errors import B12xError, ChannelError, CollectiveTimeoutError, IneligibleError, TransportError
 
 MiB = 1 << 20
@@ -222,7 +222,10 @@ class Communicator:
 
     Where a group spans processes this is collective: call it on every
     process with the same mesh, axis and channels (their order may differ).
-    If any process fails, every process raises and nothing stays mapped."""
+    If any process fails, every process raises and nothing stays mapped.
+
+    A module from ``jax.export.deserialize`` with calls on these channels
+    runs after this (README, "jax.export")."""
     if not isinstance(mesh, jax.sharding.Mesh):
       raise TypeError(f"Communicator.prepare: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; "
                       f"make one with jax.make_mesh")
@@ -233,6 +236,11 @@ class Communicator:
       raise TypeError(f"Communicator.prepare: channels must be a list of channel names, got the string "
                       f"{channels!r}; write channels=[{channels!r}]")
     names = sorted({validate_channel_name(c, "Communicator.prepare(channels=...)") for c in channels})
+    # What a module from jax.export.deserialize needs besides the memory: the
+    # channels' effects and the FFI targets (its b12x calls are not lowered here).
+    _native.ensure_registered()
+    for name in names:
+      channel_order(name)
     settle()  # a call that failed since the last release (not prepared) must not taint the next
     devices = np.moveaxis(np.asarray(mesh.devices, dtype=object), list(mesh.axis_names).index(axis_name), -1)
     groups = [tuple(row) for row in devices.reshape(-1, devices.shape[-1])]

@@ -90,6 +90,21 @@ def _mapped_shm() -> list[str]:
   return mapped + left
 
 
+def _assert_head_shard(got, got_lse, outs, want, want_lse, mine: slice) -> None:
+  """This rank's head shard of a DCP merge ([B, H/n, D] and [B, H/n])
+  against the full attention ``want`` [B, H, D] (helpers.attention_shards):
+  out within two bfloat16 roundings of the largest partial output of its
+  row, lse within fp32 math."""
+  import numpy as np
+  from helpers import RTOL
+  got = got.astype(np.float64)
+  row_scale = np.nan_to_num(np.abs(outs.astype(np.float64)), nan=0.0).max(axis=(0, -1))[:, mine]
+  assert np.all(np.isfinite(got)), "non-finite output"
+  err = np.abs(got - want[:, mine]).max(axis=-1)
+  assert np.all(err <= 2 * RTOL["bfloat16"] * row_scale + 1e-6), f"error {err.max()}"
+  np.testing.assert_allclose(got_lse, want_lse[:, mine], rtol=1e-5, atol=1e-5)
+
+
 # -- modes -----------------------------------------------------------------------
 
 
@@ -161,7 +176,7 @@ def dcp_mode(args) -> dict:
   from jax.sharding import PartitionSpec as P
 
   import b12x_jax
-  from helpers import RTOL, attention_shards
+  from helpers import attention_shards
   b12x_jax.set_communicator(_communicator(args))
   mesh = _mesh()
   n, me = jax.device_count(), jax.process_index()
@@ -174,12 +189,8 @@ def dcp_mode(args) -> dict:
     for _ in range(2):
       outs, lses, want, want_lse = attention_shards(rng, n, 3, heads, 16, jnp.bfloat16, empty=((0, 0, 0),))
       o, l = (jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), a[me]) for a in (outs, lses))
-      got, got_lse = (np.asarray(r.addressable_shards[0].data, np.float64) for r in fn(o, l))
-      row_scale = np.nan_to_num(np.abs(outs.astype(np.float64)), nan=0.0).max(axis=(0, -1))[:, mine]
-      assert np.all(np.isfinite(got)), "non-finite output"
-      err = np.abs(got - want[:, mine]).max(axis=-1)
-      assert np.all(err <= 2 * RTOL["bfloat16"] * row_scale + 1e-6), f"error {err.max()}"
-      np.testing.assert_allclose(got_lse, want_lse[:, mine], rtol=1e-5, atol=1e-5)
+      got, got_lse = (np.asarray(r.addressable_shards[0].data) for r in fn(o, l))
+      _assert_head_shard(got, got_lse, outs, want, want_lse, mine)
   assert b12x_jax.get_communicator().decisions[-1].path == "b12x"
   b12x_jax.check_errors()
   return {"rank": me, "epoch": b12x_jax.get_communicator().stats("mp_dcp", jax.local_devices()[0])["epoch"]}
@@ -534,7 +545,149 @@ def settings_mode(args) -> dict:
   return {"error": None, "path": decision.path, "reason": decision.reason, "mapped": _mapped_shm()}
 
 
-MODES = {"all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
+# The cases of drop_in mode and the path each must take.
+DROP_IN_PATHS = {"grad": "b12x", "jvp": "b12x", "vmap_all_reduce": "b12x", "vmap_dcp_a2a": "b12x",
+                 "vmap_fused": "b12x", "packed_pytree": "b12x", "tuple_of_axes": "psum", "axis_index_groups": "psum"}
+
+
+def drop_in_mode(args) -> dict:
+  """tests/test_drop_in.py's cases across processes (issue 15): grad and
+  jvp of all_reduce, vmap of all_reduce, dcp_a2a and the fused op (one call
+  of the folded batches), a pytree of small leaves (packed calls), a tuple
+  of axes and axis_index_groups (psum). Every result is checked against
+  float64 here, with poisoned outputs; the b12x cases must lower to no XLA
+  collective (the rig cannot run NCCL: every process is on GPU 0), and
+  there the psum cases are only lowered. Returns each case's path
+  (DROP_IN_PATHS), the cases checked against float64, and the hashes of the
+  results every rank holds alike."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  from helpers import assert_residual_rmsnorm_matches, assert_sum_matches, attention_shards, residual_rmsnorm_inputs
+  comm = _communicator(args, poison_outputs=True)
+  b12x_jax.set_communicator(comm)
+  mesh = _mesh()
+  n, me = jax.device_count(), jax.process_index()
+  rng = np.random.default_rng(15)  # the same inputs in every process
+  paths, checked, hashes = {}, [], {}
+
+  def shard_map(body, in_specs, out_specs, check_vma=True, on=mesh):
+    return jax.jit(jax.shard_map(body, mesh=on, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma))
+
+  def place(host, spec=P("x"), on=mesh):  # this process's part of a global array
+    return jax.make_array_from_process_local_data(NamedSharding(on, spec), host)
+
+  def mine(results):  # this process's shard of each result, as NumPy
+    return jax.tree.map(lambda r: np.asarray(r.addressable_shards[0].data), results)
+
+  def each_rank(tree):  # a result of every rank, [1, ...] per rank under out_specs P("x")
+    return jax.tree.map(lambda r: r[None], tree)
+
+  def ran(case, fn, *inputs, op="all_reduce", invariant=()):
+    """Records the path of ``case``'s last ``op`` and the hashes of its
+    ``invariant`` results; a b12x case must lower to b12x calls only."""
+    paths[case] = [d.path for d in comm.decisions if d.op == op][-1]
+    if paths[case] == "b12x":
+      text = fn.lower(*inputs).as_text()
+      assert "stablehlo.all_reduce" not in text and "stablehlo.all_to_all" not in text, f"{case}: an XLA collective"
+    checked.append(case)
+    if invariant:
+      hashes[case] = hashlib.sha256(b"".join(np.ascontiguousarray(r).tobytes() for r in invariant)).hexdigest()
+
+  with b12x_jax.channel("mp_drop_in"):
+    # grad and jvp: the total loss's gradient is sin(S) + 2 v_me cos(S) sum_q v_q with S = sum_q v_q**2.
+    # check_vma=False: with it, the pvary of sin(S) transposes to jax's psum, which the rig cannot run.
+    v, t = (rng.standard_normal((n, 256)).astype(np.float32) for _ in range(2))
+    grad = shard_map(lambda u: jax.grad(lambda w: jnp.sum(jnp.sin(b12x_jax.all_reduce(w * w, "x")) * w))(u[0])[None],
+                     P("x"), P("x"), check_vma=False)
+    got = mine(grad(place(v[me:me + 1])))[0]
+    s, v64 = (v.astype(np.float64) ** 2).sum(0), v.astype(np.float64)
+    np.testing.assert_allclose(got, np.sin(s) + 2 * v64[me] * np.cos(s) * v64.sum(0), rtol=1e-4, atol=1e-4 * n)
+    ran("grad", grad, place(v[me:me + 1]))
+    jvp = shard_map(lambda u, w: each_rank(jax.jvp(lambda a: b12x_jax.all_reduce(a * a, "x"), (u[0],), (w[0],))),
+                    (P("x"), P("x")), (P("x"), P("x")))
+    primal, tangent = mine(jvp(place(v[me:me + 1]), place(t[me:me + 1])))
+    assert_sum_matches(primal, v * v, "float32")
+    assert_sum_matches(tangent, 2 * (v * t), "float32")
+    ran("jvp", jvp, place(v[me:me + 1]), place(t[me:me + 1]), invariant=(primal, tangent))
+
+    # vmap of all_reduce: 3 rows per rank, one call of [3, 64].
+    x = rng.standard_normal((n, 3, 64)).astype(np.float32)
+    vmapped = shard_map(lambda a: each_rank(jax.vmap(lambda row: b12x_jax.all_reduce(row, "x"))(a[0])), P("x"),
+                        P("x"))
+    got = mine(vmapped(place(x[me:me + 1])))
+    assert_sum_matches(got.reshape(1, -1), x.reshape(n, -1), "float32")
+    ran("vmap_all_reduce", vmapped, place(x[me:me + 1]), invariant=(got,))
+
+    # vmap of dcp_a2a: 3 batches of B=2 per rank, one call of B=6; this rank's head shard of each.
+    batches, batch, heads, dim = 3, 2, 2 * n, 64
+    outs, lses, want, want_lse = attention_shards(rng, n, batches * batch, heads, dim, jnp.bfloat16)
+    merge = jax.vmap(lambda a, b: b12x_jax.dcp_a2a(a, b, "x", return_lse=True))
+    dcp = shard_map(lambda a, b: each_rank(merge(a[0], b[0])), (P("x"), P("x")), (P("x"), P("x")))
+    o = place(outs[me].reshape(1, batches, batch, heads, dim))
+    l = place(lses[me].reshape(1, batches, batch, heads))
+    got, got_lse = mine(dcp(o, l))
+    mine_heads = slice(me * heads // n, (me + 1) * heads // n)
+    _assert_head_shard(got[0].reshape(batches * batch, heads // n, dim),
+                       got_lse[0].reshape(batches * batch, heads // n), outs, want, want_lse, mine_heads)
+    ran("vmap_dcp_a2a", dcp, o, l, op="dcp_a2a")
+
+    # vmap of the fused op: 3 batches of 2 rows per rank, one fused call of [3, 2, hidden].
+    rows, hidden = 2, 256
+    shards, residual, weight = residual_rmsnorm_inputs(rng, n, batches * rows, hidden, "bfloat16")
+    fused = jax.vmap(lambda a, r, w: b12x_jax.all_reduce_residual_rmsnorm(a, r, w, "x"), in_axes=(0, 0, None))
+    fn = shard_map(lambda a, r, w: each_rank(fused(a[0], r, w)), (P("x"), P(), P()), (P("x"), P("x")))
+    inputs = (place(shards[me].reshape(1, batches, rows, hidden)),
+              place(residual.reshape(batches, rows, hidden), P()), place(weight, P()))
+    normed, new_residual = mine(fn(*inputs))
+    per_batch = shards.reshape(n, batches, rows, hidden)
+    for b in range(batches):
+      assert_residual_rmsnorm_matches(normed[:, b], new_residual[:, b], per_batch[:, b],
+                                      residual.reshape(batches, rows, hidden)[b], weight, 1e-6, "bfloat16")
+    ran("vmap_fused", fn, *inputs, op="all_reduce_residual_rmsnorm", invariant=(normed, new_residual))
+
+    # A pytree of small leaves: one packed call per dtype (leaves of 140 and 18 bytes padded in).
+    tree = {"a": rng.standard_normal((n, 5, 7)).astype(np.float32),
+            "b": rng.standard_normal((n, 9)).astype(jnp.bfloat16),
+            "c": rng.standard_normal((n, 4, 8)).astype(np.float32),
+            "d": rng.standard_normal((n, 16)).astype(jnp.bfloat16)}
+    packed = shard_map(lambda t: each_rank(b12x_jax.all_reduce(jax.tree.map(lambda a: a[0], t), "x")), P("x"),
+                       P("x"))
+    placed = {k: place(a[me:me + 1]) for k, a in tree.items()}
+    got = mine(packed(placed))
+    for k, a in tree.items():
+      assert_sum_matches(got[k].reshape(1, -1), a.reshape(n, -1), np.dtype(a.dtype).name)
+    packs = [d for d in comm.decisions[-2:] if "packed into one call" in d.reason]
+    assert len(packs) == 2, comm.decisions[-2:]
+    ran("packed_pytree", packed, placed, invariant=tuple(got[k] for k in sorted(got)))
+
+    # psum's cases: a tuple of axes of a (1, n) mesh, and axis_index_groups.
+    grid = jax.make_mesh((1, n), ("a", "x"))
+    y = rng.standard_normal((n, 32)).astype(np.float32)
+    groups = [list(range(n))] if n == 2 else [list(range(n // 2)), list(range(n // 2, n))]
+    group = next(g for g in groups if me in g)
+    for case, reduce, want_sum in (
+        ("tuple_of_axes", lambda a: b12x_jax.all_reduce(a, ("a", "x")), y.astype(np.float64).sum(0)),
+        ("axis_index_groups", lambda a: b12x_jax.all_reduce(a, "x", axis_index_groups=groups),
+         y[group].astype(np.float64).sum(0))):
+      fn = shard_map(lambda a: each_rank(reduce(a[0])), P(("a", "x")), P(("a", "x")), check_vma=False, on=grid)
+      arg = place(y[me:me + 1], P(("a", "x")), on=grid)
+      if args.platform == "gpu_rig":  # NCCL refuses two ranks on one GPU: the path only
+        fn.lower(arg)
+        paths[case] = comm.decisions[-1].path
+        continue
+      got = mine(fn(arg))[0]
+      np.testing.assert_allclose(got, want_sum, rtol=1e-5, atol=1e-5)
+      ran(case, fn, arg, invariant=(got,) if case == "tuple_of_axes" else ())
+  b12x_jax.check_errors()
+  return {"rank": me, "paths": paths, "checked": checked, "hashes": hashes}
+
+
+MODES = {"drop_in": drop_in_mode, "all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
          "never_joins": never_joins_mode, "close_twice": close_twice_mode, "throwaway": throwaway_mode,
          "exit_pending": exit_pending_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,
          "residual_rmsnorm": residual_rmsnorm_mode, "never_calls": never_calls_mode, "reprepare": reprepare_mode,

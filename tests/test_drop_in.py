@@ -2,15 +2,19 @@
 value_and_grad and checkpoint, under vmap (a batched call, and a vmap axis
 name), over a tuple of axes, with axis_index_groups, on pytrees. Each is
 compared with psum on the same fresh random inputs; where b12x cannot run a
-case the decision says why (psum under "auto")."""
+case the decision says why (psum under "auto"). dcp_a2a and the fused op
+under vmap (one call of the folded batches), against float64."""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import fresh_communicator
+from helpers import (assert_merge_matches, assert_residual_rmsnorm_matches, assert_sum_matches, attention_shards,
+                     fresh_communicator, residual_rmsnorm_fn, residual_rmsnorm_inputs)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -95,7 +99,7 @@ def test_a_tuple_of_axes_and_axis_index_groups_match_psum(cpu_mesh):
     assert paths == ["psum", "b12x", "b12x", "psum"], comm.decisions
 
 
-def test_a_pytree_sums_leaf_by_leaf(cpu_mesh):
+def test_a_pytree_matches_psum(cpu_mesh):
   mesh = cpu_mesh(2)
   rng = np.random.default_rng(4)
   x = _sharded(mesh, rng.standard_normal(2 * 64).astype(np.float32))
@@ -104,6 +108,94 @@ def test_a_pytree_sums_leaf_by_leaf(cpu_mesh):
                          out_specs=P())
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
       np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2)
+
+
+# Leaves of a pytree: (shape, dtype) per rank. Under a Lamport window of 4096 bytes the float32
+# leaves but the last are one call of 4 + 35 + 32 + 64 floats (540 bytes, padded to 544), the
+# bfloat16 ones one call of 9 + 16 + 33 (116 bytes, padded to 128), the last float32 leaf (8192
+# bytes) a call of its own, the int32 leaf psum.
+PYTREE = {"a": ((4,), np.float32), "b": ((5, 7), np.float32), "c": ((9,), jnp.bfloat16), "d": ((4, 8), np.float32),
+          "e": ((16,), jnp.bfloat16), "f": ((64,), np.float32), "g": ((33,), jnp.bfloat16), "h": ((8,), np.int32),
+          "i": ((2048,), np.float32)}
+PACKED_CALLS = ("tensor<136xf32>", "tensor<64xbf16>", "tensor<2048xf32>")
+
+
+def _pytree_shards(rng, n: int) -> dict:
+  return {k: (rng.integers(-9, 9, (n, *shape)) if np.dtype(dtype).kind == "i" else
+              rng.standard_normal((n, *shape))).astype(dtype) for k, (shape, dtype) in PYTREE.items()}
+
+
+def test_a_pytree_of_small_leaves_is_one_packed_call_per_dtype(cpu_mesh):
+  n = 4
+  mesh = cpu_mesh(n)
+  rng = np.random.default_rng(15)
+  every_rank = lambda tree: jax.tree.map(lambda r: r[None], tree)  # noqa: E731
+  packed = jax.jit(jax.shard_map(lambda t: every_rank(b12x_jax.all_reduce(jax.tree.map(lambda v: v[0], t), "x")),
+                                 mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  per_leaf = jax.jit(jax.shard_map(
+      lambda t: every_rank({k: b12x_jax.all_reduce(v[0], "x") for k, v in t.items()}), mesh=mesh, in_specs=P("x"),
+      out_specs=P("x")))
+  with fresh_communicator(lamport_bytes=4096, poison_outputs=True) as comm, b12x_jax.channel("packed"):
+    for _ in range(2):  # fresh inputs, two Lamport buffers
+      shards = _pytree_shards(rng, n)
+      args = {k: _sharded(mesh, v) for k, v in shards.items()}
+      got = jax.tree.map(np.asarray, packed(args))
+      alone = jax.tree.map(np.asarray, per_leaf(args))
+      for k, v in shards.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape
+        if np.dtype(v.dtype).kind == "i":
+          np.testing.assert_array_equal(got[k], np.broadcast_to(v.astype(np.int64).sum(0), v.shape))
+          continue
+        assert_sum_matches(got[k].reshape(n, -1), v.reshape(n, -1), np.dtype(v.dtype).name)
+        if v[0].nbytes % 16 == 0:  # b12x alone too: the same bits
+          np.testing.assert_array_equal(got[k].view(np.uint8), alone[k].view(np.uint8), err_msg=k)
+    packs = [d for d in comm.decisions if "packed into one call" in d.reason]
+    assert {"; ".join(d.reason.split("; ")[:2]) for d in packs} == {
+        "inside the b12x window; 4 leaves packed into one call of 544 bytes",
+        "inside the b12x window; 3 leaves packed into one call of 128 bytes"}, comm.decisions
+    assert {d.path for d in packs} == {"b12x"}
+    calls = _b12x_calls(packed, args, target="b12x_all_reduce")
+    payloads = [re.search(r": \(!stablehlo.token, (tensor<\w+>)\)", ln).group(1) for ln in calls]
+    assert sorted(payloads) == sorted(PACKED_CALLS), calls
+
+
+def test_packs_fill_the_window_in_leaf_order_and_pad_leaves_strict_would_refuse_alone(cpu_mesh):
+  mesh = cpu_mesh(2)
+  rng = np.random.default_rng(17)
+  shards = [rng.standard_normal((2, 375)).astype(np.float32) for _ in range(4)]  # 1500 bytes each
+  fn = jax.jit(jax.shard_map(lambda *t: [r[None] for r in b12x_jax.all_reduce([v[0] for v in t], "x")],
+                             mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  with fresh_communicator(lamport_bytes=4096, policy="strict"), b12x_jax.channel("packs"):
+    args = [_sharded(mesh, a) for a in shards]
+    for got, a in zip(fn(*args), shards):
+      np.testing.assert_allclose(np.asarray(got), np.broadcast_to(a.astype(np.float64).sum(0), a.shape), rtol=1e-6,
+                                 atol=1e-6)
+    payloads = [re.search(r": \(!stablehlo.token, (tensor<\w+>)\)", ln).group(1)
+                for ln in _b12x_calls(fn, *args, target="b12x_all_reduce")]
+    assert payloads == ["tensor<752xf32>"] * 2, payloads  # leaves 0, 1 and 2, 3: 3000 bytes padded to 3008 each
+  with fresh_communicator(policy="strict"), b12x_jax.channel("packs"), pytest.raises(
+      b12x_jax.IneligibleError, match="payload of 1500 bytes is not a multiple of 16 bytes"):
+    jax.jit(jax.shard_map(lambda v: b12x_jax.all_reduce(v[0], "x"), mesh=mesh, in_specs=P("x"),
+                          out_specs=P())).lower(args[0])
+
+
+def test_grad_and_vmap_of_a_packed_pytree_match_psum(cpu_mesh):
+  mesh = cpu_mesh(2)
+  rng = np.random.default_rng(16)
+  x = _sharded(mesh, rng.standard_normal((2 * 3, 24)).astype(np.float32))
+
+  def loss(reduce, v):
+    tree = reduce({"sq": v * v, "sin": jnp.sin(v[:, :5]), "row": v[:, 0]}, "x")
+    return jnp.sum(tree["sq"] * v) + jnp.sum(tree["sin"] ** 2) + jnp.sum(tree["row"] * v[:, 1])
+
+  with fresh_communicator() as comm, b12x_jax.channel("packed-ad"):
+    ours, theirs = _both(mesh, lambda r, v: jax.grad(lambda u: loss(r, u))(v), x, out_specs=P("x"))
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert any("3 leaves packed" in d.reason for d in comm.decisions)
+    body = lambda r, v: jax.vmap(lambda row: r({"row": row, "half": row[:12] * 3}, "x"))(v)  # noqa: E731
+    ours, theirs = _both(mesh, body, x)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+      np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
 def test_one_channel_serves_any_device_group_in_one_process(cpu_mesh):
@@ -173,3 +265,261 @@ def test_the_fused_op_and_dcp_a2a_differentiate_like_their_fallback_formulas(cpu
       dcp_grads.append(np.asarray(fn(out, lse)))
     assert any(d.op == "dcp_a2a" and d.path == "b12x" for d in comm.decisions)
   np.testing.assert_allclose(dcp_grads[0], dcp_grads[1], rtol=1e-3, atol=1e-4)
+
+
+# -- vmap of dcp_a2a and the fused op (one call of the folded batches) ------------------------------------
+
+
+def _b12x_calls(fn, *args, target: str) -> list[str]:
+  """The lines of ``fn``'s lowered text that call the custom call ``target``."""
+  return [ln for ln in fn.lower(*args).as_text().splitlines() if f"custom_call @{target}(" in ln]
+
+
+def _vmapped_dcp(mesh, vmaps: int, in_axis: int, lse_base: str = "e", return_lse: bool = True):
+  """dcp_a2a under ``vmaps`` nested jax.vmap (batch dim ``in_axis`` of the
+  outermost), inside shard_map over ``mesh``: inputs [n * V, ...] (one [V,
+  ...] per rank), results [n, V..., B, H/n, ...] (out, and lse with
+  ``return_lse``)."""
+  def merge(o, l):
+    return b12x_jax.dcp_a2a(o, l, "x", return_lse=return_lse, lse_base=lse_base)
+  for _ in range(vmaps - 1):
+    merge = jax.vmap(merge)
+  merge = jax.vmap(merge, in_axes=in_axis)
+
+  def body(o, l):
+    return jax.tree.map(lambda r: r[None], merge(o, l))
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x")))
+
+
+@pytest.mark.parametrize("vmaps,in_axis,lse_base,return_lse", [(1, 0, "e", True), (1, 1, "e", True),
+                                                                (2, 0, "e", True), (1, 0, "2", False)])
+def test_vmap_of_dcp_a2a_is_one_call_over_the_folded_batch(cpu_mesh, vmaps, in_axis, lse_base, return_lse):
+  n, batch, heads, dim = 2, 2, 8, 64
+  vmapped = (3, 2)[:vmaps]
+  mesh = cpu_mesh(n)
+  rng = np.random.default_rng([7, vmaps, in_axis, return_lse])
+  fn = _vmapped_dcp(mesh, vmaps, in_axis, lse_base, return_lse)
+  with fresh_communicator(poison_outputs=True) as comm, b12x_jax.channel("dcp-vmap"):
+    for _ in range(2):  # fresh inputs, both staging slots
+      rows = int(np.prod(vmapped)) * batch
+      outs, lses, want, want_lse = attention_shards(rng, n, rows, heads, dim, jnp.bfloat16, base2=lse_base == "2")
+      o = outs.reshape(n, *vmapped, batch, heads, dim)
+      l = lses.reshape(n, *vmapped, batch, heads)
+      if in_axis == 1:  # the vmapped dim after B
+        o, l = o.swapaxes(1, 2), l.swapaxes(1, 2)
+      args = [_sharded(mesh, a.reshape(n * a.shape[1], *a.shape[2:])) for a in (o, l)]
+      got, got_lse = (np.asarray(r) for r in fn(*args)) if return_lse else (np.asarray(fn(*args)), None)
+      assert got.shape == (n, *vmapped, batch, heads // n, dim)
+      assert_merge_matches(got.reshape(n, rows, heads // n, dim),
+                           got_lse.reshape(n, rows, heads // n) if return_lse else None, outs, want, want_lse,
+                           "bfloat16")
+    assert [d.path for d in comm.decisions if d.op == "dcp_a2a"][-1] == "b12x"
+    calls = _b12x_calls(fn, *args, target="b12x_dcp_a2a")
+    assert len(calls) == 1 and f"tensor<{rows}x{heads}x{dim}xbf16>" in calls[0], calls
+
+
+def test_vmap_of_dcp_a2a_chooses_the_path_for_the_folded_size(cpu_mesh):
+  # 8 rows of 132 staged bytes fit capacity_bytes (with the 64 blocks' rounding), 4 x 8 do not.
+  mesh = cpu_mesh(2)
+  rng = np.random.default_rng(8)
+  outs, lses, want, want_lse = attention_shards(rng, 2, 4 * 2, 8, 64, jnp.bfloat16)
+  fn = _vmapped_dcp(mesh, 1, 0)
+  args = [_sharded(mesh, a.reshape(2 * 4, 2, *a.shape[2:])) for a in (outs, lses)]
+  with fresh_communicator(capacity_bytes=12288) as comm, b12x_jax.channel("dcp-vmap-big"):
+    got, got_lse = (np.asarray(r).reshape(2, 8, 4, *r.shape[4:]) for r in fn(*args))
+    assert_merge_matches(got, got_lse, outs, want, want_lse, "bfloat16")
+    decision = [d for d in comm.decisions if d.op == "dcp_a2a"][-1]
+    assert decision.path == "all_to_all" and "exceeds capacity_bytes=12288" in decision.reason, decision
+    assert not _b12x_calls(fn, *args, target="b12x_dcp_a2a")
+    unbatched = _per_rank_dcp(mesh)
+    got, got_lse = (np.asarray(r).reshape(2, 2, *r.shape[1:]) for r in unbatched(
+        *[_sharded(mesh, a[:, :2].reshape(4, *a.shape[2:])) for a in (outs, lses)]))
+    assert [d for d in comm.decisions if d.op == "dcp_a2a"][-1].path == "b12x"
+    assert_merge_matches(got, got_lse, outs[:, :2], want[:2], want_lse[:2], "bfloat16")
+
+
+def _per_rank_dcp(mesh):
+  body = lambda o, l: b12x_jax.dcp_a2a(o, l, "x", return_lse=True)  # noqa: E731
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x"))))
+
+
+def test_dcp_a2a_over_a_vmap_axis_name_takes_all_to_all_or_raises(cpu_mesh):
+  """Over a vmap axis of size 2 the sources are the 2 batches: each rank
+  merges its own pair, as the jnp merge would."""
+  n, sources, batch, heads, dim = 2, 2, 2, 4, 64
+  mesh = cpu_mesh(n)
+  rng = np.random.default_rng(9)
+  per_rank = [attention_shards(rng, sources, batch, heads, dim, jnp.bfloat16) for _ in range(n)]
+  merge = jax.vmap(lambda o, l: b12x_jax.dcp_a2a(o, l, "v", return_lse=True), axis_name="v")
+  # check_vma=False: jax 0.11.2's all_to_all over a vmap axis inside shard_map fails its type check.
+  fn = jax.jit(jax.shard_map(lambda o, l: jax.tree.map(lambda r: r[None], merge(o, l)), mesh=mesh,
+                             in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x")), check_vma=False))
+  args = [_sharded(mesh, np.stack([p[i] for p in per_rank]).reshape(n * sources, *per_rank[0][i].shape[1:]))
+          for i in (0, 1)]
+  with fresh_communicator() as comm, b12x_jax.channel("dcp-vmap-name"):
+    got, got_lse = (np.asarray(r) for r in fn(*args))  # [n, sources, B, H/sources, ...]
+    assert "'v' is not a jax.shard_map mesh axis" in comm.decisions[-1].reason, comm.decisions[-1]
+    assert comm.decisions[-1].path == "all_to_all"
+  for r, (outs, _, want, want_lse) in enumerate(per_rank):
+    assert_merge_matches(got[r], got_lse[r], outs, want, want_lse, "bfloat16")
+  with fresh_communicator(policy="strict"), b12x_jax.channel("dcp-vmap-name"), pytest.raises(
+      b12x_jax.IneligibleError, match=r"b12x_jax.dcp_a2a: axis 'v' is not a jax.shard_map mesh axis"):
+    fn.lower(*args)
+
+
+def test_grad_of_a_vmapped_dcp_a2a_matches_its_fallback_formula(cpu_mesh):
+  from b12x_jax.ops.dcp_a2a import _all_to_all_path
+  mesh = cpu_mesh(2)
+  rng = np.random.default_rng(10)
+  outs, lses, *_ = attention_shards(rng, 2, 3 * 2, 8, 64, jnp.bfloat16)
+  args = [_sharded(mesh, a.reshape(2 * 3, 2, *a.shape[2:])) for a in (outs, lses)]
+
+  def merge(o, l, use_b12x):
+    if use_b12x:
+      return b12x_jax.dcp_a2a(o, l, "x", return_lse=True)
+    return tuple(_all_to_all_path(o, l, axis_name="x", base2=False, return_lse=True))
+
+  def loss(o, l, use_b12x):
+    merged, merged_lse = jax.vmap(lambda a, b: merge(a, b, use_b12x))(o, l)
+    return jnp.sum(merged.astype(jnp.float32) ** 2) + jnp.sum(jnp.sin(merged_lse))
+
+  grads = []
+  with fresh_communicator() as comm, b12x_jax.channel("dcp-vmap-grad"):
+    for use_b12x in (True, False):
+      fn = jax.jit(jax.shard_map(jax.grad(lambda o, l: loss(o, l, use_b12x), argnums=(0, 1)), mesh=mesh,
+                                 in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x")), check_vma=False))
+      grads.append([np.asarray(g, np.float32) for g in fn(*args)])
+    assert {d.path for d in comm.decisions if d.op == "dcp_a2a"} == {"b12x"}
+  assert all(np.abs(g).max() > 0 for g in grads[1])
+  for ours, theirs in zip(*grads):
+    np.testing.assert_allclose(ours, theirs, rtol=1e-3, atol=1e-4)
+
+
+def _vmapped_fused(mesh, vmaps: int, in_axis: int, batched_residual: bool = True, batched_weight: bool = False):
+  """all_reduce_residual_rmsnorm under ``vmaps`` nested jax.vmap (batch dim
+  ``in_axis`` of the outermost for x and a batched residual; a batched
+  weight [V, hidden] at 0), inside shard_map over ``mesh``: x [n, ...] (one
+  [...] per rank), residual and weight replicated; results [n, V..., rows,
+  hidden]."""
+  def fused(x, residual, weight):
+    return b12x_jax.all_reduce_residual_rmsnorm(x, residual, weight, "x")
+  for _ in range(vmaps - 1):
+    fused = jax.vmap(fused, in_axes=(0, 0 if batched_residual else None, 0 if batched_weight else None))
+  fused = jax.vmap(fused, in_axes=(in_axis, in_axis if batched_residual else None, 0 if batched_weight else None))
+
+  def body(x, residual, weight):
+    return jax.tree.map(lambda r: r[None], fused(x, residual, weight))
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P()), out_specs=(P("x"), P("x")),
+                               check_vma=False))
+
+
+def _check_fused(fn, mesh, rng, vmapped: tuple, in_axis: int, rows: int, hidden: int, *, batched_residual=True,
+                 batched_weight=False, dtype_name="float32"):
+  """Runs ``fn`` (_vmapped_fused) on fresh inputs; every batch against float64."""
+  n, count = mesh.devices.size, int(np.prod(vmapped))
+  shards, residual, weight = residual_rmsnorm_inputs(rng, n, count * rows, hidden, dtype_name)
+  residuals = residual.reshape(count, rows, hidden) if batched_residual else np.broadcast_to(
+      residual[:rows], (count, rows, hidden))
+  weights = (1 + 0.1 * rng.standard_normal((count, hidden))).astype(weight.dtype) if batched_weight else \
+      np.broadcast_to(weight, (count, hidden))
+  x = shards.reshape(n, *vmapped, rows, hidden)
+  res = residuals.reshape(*vmapped, rows, hidden) if batched_residual else residual[:rows]
+  w = weights.reshape(*vmapped, hidden) if batched_weight else weight
+  if in_axis == 1:
+    x, res = x.swapaxes(1, 2), (res.swapaxes(0, 1) if batched_residual else res)
+  x = _sharded(mesh, x.reshape(n * x.shape[1], *x.shape[2:]))
+  normed, new_residual = (np.asarray(r).reshape(n, count, rows, hidden) for r in fn(x, res, w))
+  for b in range(count):
+    assert_residual_rmsnorm_matches(normed[:, b], new_residual[:, b], shards.reshape(n, count, rows, hidden)[:, b],
+                                    residuals[b], weights[b], 1e-6, dtype_name)
+  return x, res, w
+
+
+@pytest.mark.parametrize("vmaps,in_axis,batched_residual", [(1, 0, True), (1, 1, True), (1, 0, False), (2, 0, True)])
+def test_vmap_of_the_fused_op_is_one_fused_call(cpu_mesh, vmaps, in_axis, batched_residual):
+  mesh = cpu_mesh(2)
+  vmapped, rows, hidden = (3, 2)[:vmaps], 2, 64
+  fn = _vmapped_fused(mesh, vmaps, in_axis, batched_residual)
+  rng = np.random.default_rng([11, vmaps, in_axis, batched_residual])
+  with fresh_communicator(poison_outputs=True) as comm, b12x_jax.channel("fused-vmap"):
+    for _ in range(2):
+      args = _check_fused(fn, mesh, rng, vmapped, in_axis, rows, hidden, batched_residual=batched_residual)
+    assert comm.decisions[-1].op == "all_reduce_residual_rmsnorm" and comm.decisions[-1].path == "b12x"
+    calls = _b12x_calls(fn, *args, target="b12x_residual_rmsnorm")
+    leading = "x".join(str(v) for v in vmapped)
+    assert len(calls) == 1 and f"tensor<{leading}x{rows}x{hidden}xf32>" in calls[0], calls
+    assert not _b12x_calls(fn, *args, target="b12x_all_reduce")
+
+
+def test_vmap_of_the_fused_op_with_a_batched_weight_or_too_many_rows_is_unfused(cpu_mesh):
+  mesh = cpu_mesh(2)
+  rng = np.random.default_rng(12)
+  with fresh_communicator() as comm, b12x_jax.channel("fused-vmap-weight"):
+    fn = _vmapped_fused(mesh, 1, 0, batched_weight=True)
+    args = _check_fused(fn, mesh, rng, (3,), 0, 2, 64, batched_weight=True)
+    assert "the weight is batched" in [d for d in comm.decisions if d.path == "unfused"][-1].reason
+    assert not _b12x_calls(fn, *args, target="b12x_residual_rmsnorm")
+    calls = _b12x_calls(fn, *args, target="b12x_all_reduce")
+    assert len(calls) == 1 and "tensor<3x2x64xf32>" in calls[0], calls
+  # 4 rows of 256 bytes fit a Lamport window of 2048 bytes; 4 x 4 rows do not.
+  with fresh_communicator(lamport_bytes=2048) as comm, b12x_jax.channel("fused-vmap-rows"):
+    fn = _vmapped_fused(mesh, 1, 0)
+    args = _check_fused(fn, mesh, rng, (4,), 0, 4, 64)
+    unfused = [d for d in comm.decisions if d.path == "unfused"]
+    assert unfused and "exceed the 1 Lamport cells of 2048 bytes" in unfused[-1].reason, comm.decisions
+    assert not _b12x_calls(fn, *args, target="b12x_residual_rmsnorm")
+    unbatched = residual_rmsnorm_fn(mesh)
+    shards, residual, weight = residual_rmsnorm_inputs(rng, 2, 4, 64, "float32")
+    unbatched(_sharded(mesh, shards), residual, weight)
+    assert comm.decisions[-1].op == "all_reduce_residual_rmsnorm" and comm.decisions[-1].path == "b12x"
+
+
+def test_the_fused_op_over_a_vmap_axis_name_is_unfused_or_raises(cpu_mesh):
+  mesh = cpu_mesh(2)
+  sources, rows, hidden = 2, 2, 64
+  rng = np.random.default_rng(13)
+  per_rank = [residual_rmsnorm_inputs(rng, sources, rows, hidden, "float32") for _ in range(2)]
+  fused = jax.vmap(lambda v, r, w: b12x_jax.all_reduce_residual_rmsnorm(v, r, w, "v"), in_axes=(0, None, None),
+                   axis_name="v")
+  x = _sharded(mesh, np.stack([p[0] for p in per_rank]).reshape(2 * sources, rows, hidden))
+  residuals = np.stack([p[1] for p in per_rank])
+  weights = np.stack([p[2] for p in per_rank])
+  fn = jax.jit(jax.shard_map(lambda v, r, w: jax.tree.map(lambda t: t[None], fused(v, r[0], w[0])), mesh=mesh,
+                             in_specs=(P("x"), P("x"), P("x")), out_specs=(P("x"), P("x")), check_vma=False))
+  args = (x, _sharded(mesh, residuals), _sharded(mesh, weights))
+  with fresh_communicator() as comm, b12x_jax.channel("fused-vmap-name"):
+    normed, new_residual = (np.asarray(t) for t in fn(*args))  # [n, sources, rows, hidden]
+    fused_decision = [d for d in comm.decisions if d.op == "all_reduce_residual_rmsnorm"][-1]
+    assert fused_decision.path == "unfused" and "'v' is not a jax.shard_map mesh axis" in fused_decision.reason
+  for r, (shards, residual, weight) in enumerate(per_rank):
+    assert_residual_rmsnorm_matches(normed[r], new_residual[r], shards, residual, weight, 1e-6, "float32")
+  with fresh_communicator(policy="strict"), b12x_jax.channel("fused-vmap-name"), pytest.raises(
+      b12x_jax.IneligibleError,
+      match=r"b12x_jax.all_reduce_residual_rmsnorm: axis 'v' is not a jax.shard_map mesh axis"):
+    fn.lower(*args)
+
+
+def test_grad_of_a_vmapped_fused_op_matches_its_jnp_equivalent(cpu_mesh):
+  mesh = cpu_mesh(2)
+  rng = np.random.default_rng(14)
+  x = _sharded(mesh, rng.standard_normal((2 * 3, 2, 64)).astype(np.float32))
+  res = jnp.asarray(rng.standard_normal((3, 2, 64)).astype(np.float32))
+  w = jnp.asarray((1 + 0.1 * rng.standard_normal(64)).astype(np.float32))
+
+  def reference(v, r):
+    total = jax.lax.psum(v, "x") + r
+    return total * jax.lax.rsqrt(jnp.mean(total * total, -1, keepdims=True) + 1e-6) * w, total
+
+  def loss(fused, v):
+    normed, new_residual = jax.vmap(fused)(v, res)
+    return jnp.sum(normed * jnp.cos(new_residual))
+
+  grads = []
+  with fresh_communicator() as comm, b12x_jax.channel("fused-vmap-grad"):
+    for fused in (lambda v, r: b12x_jax.all_reduce_residual_rmsnorm(v, r, w, "x"), reference):
+      fn = jax.jit(jax.shard_map(jax.grad(lambda v: loss(fused, v)), mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                                 check_vma=False))
+      grads.append(np.asarray(fn(x)))
+    assert [d.path for d in comm.decisions if d.op == "all_reduce_residual_rmsnorm"][-1] == "b12x"
+  assert np.abs(grads[1]).max() > 0
+  np.testing.assert_allclose(grads[0], grads[1], rtol=1e-4, atol=1e-5)

@@ -3,7 +3,7 @@ form a mesh of distinct devices, and b12x runs between them over CUDA IPC on
 the one GPU, under MPS (conftest's ``gpu_rig``). The multi-process cases of
 tests/test_multiprocess.py, through the same worker modes, on CUDA at every
 world size: values against float64 with poisoned outputs, CUDA graphs on and
-off, a rank that never calls. Marked gpu_rig; skipped, with the reason,
+off, a rank that never calls, the drop-in cases (AD, vmap, packed pytrees). Marked gpu_rig; skipped, with the reason,
 without a GPU, a CUDA build or MPS."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from test_multiprocess import ALL_REDUCE_CONFIGS, check_all_reduce_configs, check_never_calls
+from test_multiprocess import ALL_REDUCE_CONFIGS, check_all_reduce_configs, check_drop_in, check_never_calls
 
 pytestmark = pytest.mark.gpu_rig
 WORLDS = [2, 4, 8]
@@ -39,6 +39,12 @@ def test_dcp_a2a_matches_float64_full_attention(gpu_rig, n):
 def test_the_fused_op_matches_float64_with_identical_bits(gpu_rig, n):
   results = gpu_rig("residual_rmsnorm", n, communicator={"poison_outputs": True})
   assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == 9
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_the_drop_in_cases_match_float64(gpu_rig, n):
+  # grad, jvp, vmap of each op, a packed pytree on CUDA; the psum cases (NCCL: not on one GPU) only lowered
+  check_drop_in(gpu_rig("drop_in", n), rig=True)
 
 
 @pytest.mark.parametrize("n", WORLDS)

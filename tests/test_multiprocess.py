@@ -215,3 +215,21 @@ def test_a_process_that_reaches_its_first_call_15_s_late_is_waited_for(multiproc
                          hard_timeout=180)
   assert results[0]["hashes"] == results[1]["hashes"], results
   assert results[0]["seconds"] > 10, results  # process 0 really waited on its first call
+
+
+def check_drop_in(results: list[dict], rig: bool = False) -> None:
+  """drop_in mode: every case took its path, was checked against float64 in
+  every process (the psum cases on CPU only), and the ranks hold identical
+  bits of every invariant result."""
+  from mp_workers import DROP_IN_PATHS
+  assert [r["rank"] for r in results] == list(range(len(results))), results
+  psum_cases = {c for c, p in DROP_IN_PATHS.items() if p == "psum"}
+  for r in results:
+    assert r["paths"] == DROP_IN_PATHS, r
+    assert set(r["checked"]) == set(DROP_IN_PATHS) - (psum_cases if rig else set()), r
+    assert r["hashes"] == results[0]["hashes"] and len(r["hashes"]) == (4 if rig else 5), (r, results[0])
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_drop_in_cases_across_processes_match_float64(multiprocess, n):
+  check_drop_in(multiprocess("drop_in", n))

@@ -54,3 +54,8 @@ def test_a_gpu_peer_killed_mid_run_makes_the_survivor_raise_within_the_timeout(m
   assert re.search(r"channel 'mortal' rank 0 timed out after 2 s at epoch 4 waiting for rank 1",
                    survivor["message"]), survivor
   assert survivor["seconds"] < 2 + 5, survivor
+
+
+def test_the_drop_in_cases_across_gpu_processes_match_float64(multiprocess):
+  from test_multiprocess import check_drop_in
+  check_drop_in(multiprocess("drop_in", 2, platform="gpu", hard_timeout=300))  # psum over NCCL runs here

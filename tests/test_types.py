@@ -92,3 +92,11 @@ def test_a_residual_varying_over_another_axis_cannot_leave_replicated():
   for fn in (fused, _rmsnorm_reference):
     with pytest.raises(ValueError, match=r"out_specs.*varying"):
       jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("x"), P("a"), P()), out_specs=P())).trace(*args)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_packed_pytree_keeps_each_leafs_varying_axes(spec):
+  # leaves of one dtype but different varying axes are not packed together: each infers psum's type
+  args = (_mesh(), [P("x"), spec, P(("a", "x"))], [(4, 16), (4, 16), (8,)], [jnp.float32] * 3)
+  tree = lambda reduce: lambda a, b, c: reduce({"a": a, "b": b, "c": c}, "x")  # noqa: E731
+  assert _varying(tree(b12x_jax.all_reduce), *args) == _varying(tree(jax.lax.psum), *args)

@@ -11,7 +11,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
 from b12x_jax import _compat, _native
-from b12x_jax.channels import ChannelOrder, channel_memory
+from b12x_jax.channels import channel_memory, channel_order
 from b12x_jax.communicator import get_communicator, partition_key
 
 
@@ -26,6 +26,22 @@ def axis_size(axis_name: str, op: str) -> int:
         f"b12x_jax.{op}: unknown axis_name {axis_name!r}: call it inside jax.shard_map over a mesh with "
         f"that axis ({e})") from None
 
+
+def why_not_a_mesh_axis(axis_name: str) -> tuple[str, str] | None:
+  """(reason, fix) where ``axis_name`` is bound but is no mesh axis of the
+  enclosing jax.shard_map (a ``vmap(..., axis_name=...)`` name): a channel
+  is one group of devices, which only a mesh axis names. None for a mesh
+  axis."""
+  if axis_name in _compat.manual_axes():
+    return None
+  return (f"axis {axis_name!r} is not a jax.shard_map mesh axis here (a vmap axis name?)",
+          "Use a mesh axis of the enclosing jax.shard_map")
+
+
+def batch_size(args, dims) -> int:
+  """The size of the vmapped dimension, from the arguments a batching rule
+  gets (at least one is batched)."""
+  return next(a.shape[d] for a, d in zip(args, dims) if d is not None)
 
 
 def _lowering(op: str, target: str, fallback: Callable, fallback_path: str) -> Callable:
@@ -45,7 +61,7 @@ def _lowering(op: str, target: str, fallback: Callable, fallback_path: str) -> C
     _native.ensure_registered()
     if get_communicator().ensure_prepared(op, channel, groups, fallback_path) is not None:
       return fallback_rule(ctx, *args, axis_name=axis_name, **params)
-    effect = ChannelOrder(channel)
+    effect = channel_order(channel)
     token_in = ctx.tokens_in.get(effect)
     if platform == "cuda":
       # XLA:GPU's dynamic-slice fusion folds a slice operand or a
@@ -82,8 +98,8 @@ def differentiate_by_fallback(primitive: Primitive, fallback: Callable) -> None:
 def collective_primitive(name: str, op: str, abstract_eval: Callable, fallback: Callable,
                          fallback_path: str = "psum", multiple_results: bool = False) -> Primitive:
   """The primitive of one b12x op, registered: ``abstract_eval`` (the
-  output avals, without effects) plus the call's effects (ChannelOrder of
-  its channel, channel_memory: channels.py), an
+  output avals, without effects) plus the call's effects (the ChannelOrder
+  of its channel, channel_memory: channels.py), an
   eager rule that says where the op runs, the b12x lowering on CPU and CUDA,
   and ``fallback`` (which takes the op's parameters but ``channel``) on every
   other platform. The FFI target is named like the primitive."""
@@ -91,7 +107,7 @@ def collective_primitive(name: str, op: str, abstract_eval: Callable, fallback: 
   primitive.multiple_results = multiple_results
 
   def effectful_abstract_eval(*avals, channel: str, **params):
-    return abstract_eval(*avals, channel=channel, **params), {ChannelOrder(channel), channel_memory}
+    return abstract_eval(*avals, channel=channel, **params), {channel_order(channel), channel_memory}
 
   def eager(*args, axis_name: str, channel: str, **params):
     raise ValueError(f"b12x_jax.{op} runs inside jax.shard_map under jax.jit, not eagerly "

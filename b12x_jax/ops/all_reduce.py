@@ -9,13 +9,15 @@ from jax.interpreters import ad, batching
 
 from b12x_jax import _compat, tuning
 from b12x_jax.channels import resolve_channel
-from b12x_jax.communicator import get_communicator
-from b12x_jax.ops._common import axis_size, collective_primitive
+from b12x_jax.communicator import PACK_BYTES, get_communicator
+from b12x_jax.ops._common import axis_size, collective_primitive, why_not_a_mesh_axis
 
 _OP = "all_reduce"
 _TARGET = "b12x_all_reduce"
 # The `algorithm` attribute of the custom call (ffi/cuda/all_reduce.cu).
 _ALGORITHM_CODES = {"one_shot": 0, "two_shot": 1, "one_shot_pull": 2}
+# Leaves of a pytree that may share one call (the dtypes of the b12x path).
+_PACKED_DTYPES = ("float32", "bfloat16", "float16")
 
 # -- validation -----------------------------------------------------------------
 
@@ -42,7 +44,11 @@ def all_reduce(x, axis_name, *, axis_index_groups=None, channel: str | None = No
   dtype. Runs on the channel of the enclosing ``b12x_jax.channel`` scope
   (or ``channel``; "default" outside any scope).
 
-  ``x`` may be a pytree (one call per leaf); ``axis_name`` a name or a tuple
+  ``x`` may be a pytree: leaves of one dtype (and one set of varying axes)
+  whose total fits the Lamport window (``lamport_bytes``) are packed into
+  one call, padded to a multiple of 16 bytes (so a leaf that is not one
+  runs on b12x too); each leaf gets the bits a b12x call of its own would
+  give. The other leaves are a call each. ``axis_name`` a name or a tuple
   of names, and ``axis_index_groups`` what psum takes. The b12x path takes
   one shard_map mesh axis without groups, float32/bfloat16/float16 payloads
   that are a multiple of 16 bytes and at most the communicator's
@@ -60,11 +66,64 @@ def all_reduce(x, axis_name, *, axis_index_groups=None, channel: str | None = No
   leaves, tree = jax.tree.flatten(x)
   if not leaves:
     raise TypeError(f"b12x_jax.{_OP}: x must be an array or a pytree of arrays, got {x!r}")
-  return tree.unflatten([_all_reduce_leaf(leaf, axis_name, axis_index_groups, channel) for leaf in leaves])
+  leaves = [_check_operand(leaf) for leaf in leaves]
+  results: list = [None] * len(leaves)
+  for pack in _packs(leaves, axis_name, axis_index_groups):
+    if len(pack) == 1:
+      results[pack[0]] = _all_reduce_leaf(leaves[pack[0]], axis_name, axis_index_groups, channel)
+    else:
+      for i, result in zip(pack, _all_reduce_packed([leaves[i] for i in pack], axis_name, channel)):
+        results[i] = result
+  return tree.unflatten(results)
 
 
-def _all_reduce_leaf(x, axis_name, axis_index_groups, channel: str | None) -> jax.Array:
-  x = _check_operand(x)
+def _packs(leaves: list[jax.Array], axis_name, axis_index_groups) -> list[list[int]]:
+  """The leaves (indices, in order) that are reduced together: small
+  leaves of one dtype and one type (varying axes) whose padded total fits
+  the Lamport window share one call, the rest are a call each. Only where
+  b12x can run the sum at all (one mesh axis, no groups, a supported
+  dtype)."""
+  comm = get_communicator()
+  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  if len(leaves) == 1 or comm.policy == "psum" or _why_psum_only(axes, axis_index_groups) is not None:
+    return [[i] for i in range(len(leaves))]
+  open_packs: dict[tuple, tuple[list[int], int]] = {}  # (dtype, varying axes) -> (indices, bytes)
+  packs: list[list[int]] = []
+  for i, leaf in enumerate(leaves):
+    nbytes = leaf.size * leaf.dtype.itemsize
+    if leaf.dtype.name not in _PACKED_DTYPES or nbytes == 0 or _padded(nbytes) > comm.lamport_bytes:
+      packs.append([i])
+      continue
+    key = (leaf.dtype, _compat.varying_axes(jax.typeof(leaf)))
+    indices, total = open_packs.get(key, (None, 0))
+    if indices is None or _padded(total + nbytes) > comm.lamport_bytes:
+      indices, total = [], 0
+      packs.append(indices)
+    indices.append(i)
+    open_packs[key] = (indices, total + nbytes)
+  return packs
+
+
+def _padded(nbytes: int) -> int:
+  return -(-nbytes // PACK_BYTES) * PACK_BYTES
+
+
+def _all_reduce_packed(leaves: list[jax.Array], axis_name, channel: str | None) -> list[jax.Array]:
+  """One call for ``leaves`` (one dtype): raveled, concatenated and padded
+  with zeros to a multiple of 16 bytes, reduced, split back. The sum is
+  elementwise in rank order, so each leaf gets the bits a call of its own
+  would give it."""
+  flat = jnp.concatenate([leaf.ravel() for leaf in leaves])
+  pad = _padded(flat.size * flat.dtype.itemsize) // flat.dtype.itemsize - flat.size
+  packed = jnp.pad(flat, (0, pad))
+  detail = f"{len(leaves)} leaves packed into one call of {packed.size * packed.dtype.itemsize} bytes"
+  total = _all_reduce_leaf(packed, axis_name, None, channel, detail=detail)
+  offsets = np.cumsum([0] + [leaf.size for leaf in leaves])
+  return [total[start:stop].reshape(leaf.shape) for leaf, start, stop in zip(leaves, offsets[:-1], offsets[1:])]
+
+
+def _all_reduce_leaf(x: jax.Array, axis_name, axis_index_groups, channel: str | None,
+                     detail: str = "") -> jax.Array:
   axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
   name = resolve_channel(channel, _OP)
   sizes = [axis_size(a, _OP) for a in axes]
@@ -79,7 +138,8 @@ def _all_reduce_leaf(x, axis_name, axis_index_groups, channel: str | None) -> ja
   (axis,), (size,) = axes, sizes
   nbytes = x.size * x.dtype.itemsize
   algorithm, why, psum_is_faster = _algorithm(comm, nbytes, size)
-  decision = comm.choose_path(_OP, name, nbytes, x.dtype, size, detail=why, prefer_fallback=psum_is_faster)
+  decision = comm.choose_path(_OP, name, nbytes, x.dtype, size, detail=f"{detail}; {why}" if detail else why,
+                              prefer_fallback=psum_is_faster)
   if decision.path == "psum":
     return psum()
   return all_reduce_p.bind(x, axis_name=axis, channel=name, algorithm=np.int32(_ALGORITHM_CODES[algorithm]))
@@ -92,10 +152,7 @@ def _why_psum_only(axes: tuple, axis_index_groups) -> tuple[str, str] | None:
     return "axis_index_groups splits the axis into groups", "Sum over a mesh axis of the group's size instead"
   if len(axes) != 1:
     return f"it sums over several axes {axes}", "Sum over one mesh axis per call"
-  if axes[0] not in _compat.manual_axes():
-    return (f"axis {axes[0]!r} is not a jax.shard_map mesh axis here (a vmap axis name?)",
-            "Sum over a mesh axis of the enclosing jax.shard_map")
-  return None
+  return why_not_a_mesh_axis(axes[0])
 
 
 def _algorithm(comm, nbytes: int, size: int) -> tuple[str, str, str | None]:

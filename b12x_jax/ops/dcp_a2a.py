@@ -5,11 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import batching
 
 from b12x_jax import _compat
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import PACK_BYTES, get_communicator
-from b12x_jax.ops._common import axis_size, collective_primitive, differentiate_by_fallback
+from b12x_jax.ops._common import (axis_size, batch_size, collective_primitive, differentiate_by_fallback,
+                                  why_not_a_mesh_axis)
 
 _OP = "dcp_a2a"
 _TARGET = "b12x_dcp_a2a"
@@ -90,7 +92,10 @@ def dcp_a2a(out, lse, axis_name: str, *, return_lse: bool = False, lse_base: str
   rows staged per source fit the communicator's ``capacity_bytes``;
   otherwise ``jax.lax.all_to_all`` plus the same merge in jnp (policy
   "auto") or an IneligibleError (policy "strict"). The choice is recorded
-  in ``get_communicator().decisions``.
+  in ``get_communicator().decisions``. Under ``jax.vmap`` the batches are
+  folded into B: one call, its path chosen for the folded size. Over a
+  ``vmap`` axis name the fallback runs (policy "auto") or an
+  IneligibleError says why (policy "strict").
   """
   out, lse = _check_operands(out, lse, lse_base, return_lse)
   return_lse = bool(return_lse)
@@ -99,10 +104,14 @@ def dcp_a2a(out, lse, axis_name: str, *, return_lse: bool = False, lse_base: str
   _check_heads(heads, size, axis_name)
   name = resolve_channel(channel, _OP)
   base2 = lse_base == "2"
+  comm = get_communicator()
+  why_not = why_not_a_mesh_axis(axis_name)
   if size == 1:
     results = _merge(out[None], lse[None], base2=base2, return_lse=return_lse)
+  elif why_not is not None:
+    comm.outside_window(_OP, name, *why_not, fallback=_FALLBACK)
+    results = _all_to_all_path(out, lse, axis_name=axis_name, base2=base2, return_lse=return_lse)
   else:
-    comm = get_communicator()
     row_bytes = dim * out.dtype.itemsize
     staged = _staged_bytes(batch * heads // size, row_bytes, comm.max_blocks or _MAX_BLOCKS)
     decision = comm.choose_path(_OP, name, row_bytes, out.dtype, size, unit="row of out", arg="out",
@@ -164,8 +173,24 @@ def _all_to_all_path(out, lse, *, axis_name: str, base2: bool, return_lse: bool)
   return _merge(outs, lses, base2=base2, return_lse=return_lse)
 
 
+# -- batching --------------------------------------------------------------------
+
+
+def _batch(args, dims, *, axis_name: str, channel: str, base2: bool, return_lse: bool):
+  """A batched dcp_a2a is one dcp_a2a of the batches folded into B: the
+  merge is independent per (row of B, head), so V batches of [B, H, D] are
+  one call of [V*B, H, D], its path chosen again for that size."""
+  out, lse = (batching.bdim_at_front(a, d, batch_size(args, dims)) for a, d in zip(args, dims))
+  vmapped, batch, heads, dim = out.shape
+  results = dcp_a2a(out.reshape(vmapped * batch, heads, dim), lse.reshape(vmapped * batch, heads), axis_name,
+                    return_lse=return_lse, lse_base="2" if base2 else "e", channel=channel)
+  results = results if return_lse else (results,)
+  return [r.reshape(vmapped, batch, *r.shape[1:]) for r in results], [0] * len(results)
+
+
 # -- registration ----------------------------------------------------------------
 
 dcp_a2a_p = collective_primitive(_TARGET, _OP, _abstract_eval, _all_to_all_path, _FALLBACK,
                                  multiple_results=True)
 differentiate_by_fallback(dcp_a2a_p, _all_to_all_path)
+batching.primitive_batchers[dcp_a2a_p] = _batch

@@ -6,11 +6,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import batching
 
 from b12x_jax import _compat, _native
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import PACK_BYTES, Decision, get_communicator
-from b12x_jax.ops._common import axis_size, collective_primitive, differentiate_by_fallback
+from b12x_jax.ops._common import (axis_size, batch_size, collective_primitive, differentiate_by_fallback,
+                                  why_not_a_mesh_axis)
 from b12x_jax.ops.all_reduce import all_reduce
 
 _OP = "all_reduce_residual_rmsnorm"
@@ -93,7 +95,11 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
   whole rows per block, at most 64 blocks or the GPU's SM count); otherwise
   the same result from
   ``all_reduce`` followed by the add and norm in jnp, with the reason in
-  ``get_communicator().decisions``.
+  ``get_communicator().decisions``. Under ``jax.vmap`` the batches are
+  more leading rows: one call, fused or not by the rows of all batches
+  (unfused where the weight is batched: a call takes one weight). Over a
+  ``vmap`` axis name it is unfused, on psum (policy "auto"), or an
+  IneligibleError (policy "strict").
   """
   x, residual, weight = _check_operands(x, residual, weight)
   if not eps > 0:
@@ -104,8 +110,11 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
   row_bytes = x.shape[-1] * x.dtype.itemsize
   rows = x.size // x.shape[-1]
   grid = _grid_limit(comm.max_blocks)
+  not_a_mesh_axis = why_not_a_mesh_axis(axis_name)
   why_not = _fused_window(rows, row_bytes, _native.lamport_cell_bytes(comm.native_options(), grid), grid)
-  if size > 1 and why_not is None:
+  if size > 1 and not_a_mesh_axis is not None:
+    comm.outside_window(_OP, name, *not_a_mesh_axis, fallback="unfused")
+  elif size > 1 and why_not is None:
     decision = comm.choose_path(_OP, name, x.size * x.dtype.itemsize, x.dtype, size)
     if decision.path == "b12x":
       normed, new_residual = residual_rmsnorm_p.bind(x, residual, weight, axis_name=axis_name, channel=name,
@@ -139,7 +148,30 @@ def _psum_path(x, residual, weight, *, axis_name: str, eps: float):
   return list(_unfused(jax.lax.psum(x, axis_name), residual, weight, eps))
 
 
+# -- batching --------------------------------------------------------------------
+
+
+def _batch(args, dims, *, axis_name: str, channel: str, eps: float):
+  """A batched call is one call with the batches as more leading rows of x
+  and residual, fused or not by the size of all of them. A batched weight
+  (one per batch) cannot be one fused call: then the batches' x are summed
+  in one all_reduce and each is normed with its own weight."""
+  vmapped = batch_size(args, dims)
+  x, residual = (batching.bdim_at_front(a, d, vmapped) for a, d in zip(args[:2], dims[:2]))
+  weight, weight_dim = args[2], dims[2]
+  if weight_dim is None:
+    results = all_reduce_residual_rmsnorm(x, residual, weight, axis_name, eps=float(eps), channel=channel)
+  else:
+    get_communicator().record(Decision(_OP, channel, "unfused",
+                                       "the weight is batched (vmap): one fused call takes one weight"))
+    weights = batching.bdim_at_front(weight, weight_dim, vmapped)
+    per_batch = weights.reshape((vmapped,) + (1,) * (x.ndim - 2) + weights.shape[-1:])
+    results = _unfused(all_reduce(x, axis_name, channel=channel), residual, per_batch, eps)
+  return list(results), [0, 0]
+
+
 # -- registration ----------------------------------------------------------------
 
 residual_rmsnorm_p = collective_primitive(_TARGET, _OP, _abstract_eval, _psum_path, multiple_results=True)
 differentiate_by_fallback(residual_rmsnorm_p, _psum_path)
+batching.primitive_batchers[residual_rmsnorm_p] = _batch

@@ -1,0 +1,142 @@
+"""jax.export of functions with b12x calls (README, "jax.export"): the
+exported module serializes (each channel's ordered effect is a class of its
+own with a nullary constructor, as jax.export's serializer requires), and
+the deserialized module gives the right values, in this process and in a
+fresh one that prepared its channels; without them it says what is
+missing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import (assert_merge_matches, assert_residual_rmsnorm_matches, assert_sum_matches, attention_shards,
+                     fresh_communicator, residual_rmsnorm_inputs)
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import b12x_jax
+
+TARGETS = ("b12x_all_reduce", "b12x_dcp_a2a", "b12x_residual_rmsnorm")
+N, ELEMS, ROWS, HIDDEN, BATCH, HEADS, DIM = 2, 64, 2, 64, 2, 4, 64
+
+
+def _every_op(x, out, lse, res_x, residual, weight):
+  """One call of each op on channel "exported" and one all_reduce on
+  "exported-2" (two ordered effects); every rank's results stacked."""
+  total = b12x_jax.all_reduce(x[0], "x")
+  merged, merged_lse = b12x_jax.dcp_a2a(out, lse, "x", return_lse=True)
+  normed, new_residual = b12x_jax.all_reduce_residual_rmsnorm(res_x[0], residual, weight, "x")
+  other = b12x_jax.all_reduce(x[0] * 2, "x", channel="exported-2")
+  return jax.tree.map(lambda r: r[None], (total, merged, merged_lse, normed, new_residual, other))
+
+
+def _inputs(rng):
+  """Host inputs of _every_op and what each result must be checked against."""
+  shards = rng.standard_normal((N, ELEMS)).astype(np.float32)
+  outs, lses, want, want_lse = attention_shards(rng, N, BATCH, HEADS, DIM, jnp.bfloat16)
+  res_shards, residual, weight = residual_rmsnorm_inputs(rng, N, ROWS, HIDDEN, "float32")
+  host = (shards, outs.reshape(N * BATCH, HEADS, DIM), lses.reshape(N * BATCH, HEADS), res_shards, residual, weight)
+  return host, (shards, outs, want, want_lse, res_shards, residual, weight)
+
+
+def _check(results, expected) -> None:
+  total, merged, merged_lse, normed, new_residual, other = (np.asarray(r) for r in results)
+  shards, outs, want, want_lse, res_shards, residual, weight = expected
+  assert_sum_matches(total, shards, "float32")
+  assert_sum_matches(other, shards * 2, "float32")
+  assert_merge_matches(merged, merged_lse, outs, want, want_lse, "bfloat16")
+  assert_residual_rmsnorm_matches(normed, new_residual, res_shards, residual, weight, 1e-6, "float32")
+
+
+def _placed(mesh, host):
+  specs = (P("x"), P("x"), P("x"), P("x"), P(), P())
+  return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(host, specs)]
+
+
+def _exported(mesh, args):
+  fn = jax.jit(jax.shard_map(_every_op, mesh=mesh, in_specs=(P("x"),) * 4 + (P(), P()),
+                             out_specs=(P("x"),) * 6, check_vma=False))
+  checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in TARGETS]
+  with b12x_jax.channel("exported"):
+    return jax.export.export(fn, disabled_checks=checks)(*args)
+
+
+def test_an_export_serializes_and_the_deserialized_module_runs(cpu_mesh):
+  pytest.importorskip("flatbuffers", reason="jax.export serialization needs the flatbuffers package")
+  mesh = cpu_mesh(N)
+  rng = np.random.default_rng(0)
+  with fresh_communicator(poison_outputs=True):
+    host, expected = _inputs(rng)
+    exported = _exported(mesh, _placed(mesh, host))
+    assert sorted(map(repr, exported.ordered_effects)) == ["ChannelOrder(channel='exported')",
+                                                           "ChannelOrder(channel='exported-2')"]
+    restored = jax.export.deserialize(exported.serialize())
+    assert restored.ordered_effects == exported.ordered_effects
+    for _ in range(2):  # fresh inputs, both Lamport buffers
+      host, expected = _inputs(rng)
+      _check(restored.call(*_placed(mesh, host)), expected)
+
+
+_LOADER = textwrap.dedent("""
+    import sys
+    import jax, numpy as np
+    import b12x_jax
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices("cpu")[:2])
+    if sys.argv[1] == "prepare":
+      b12x_jax.get_communicator().prepare(mesh, "x", channels=["exported", "exported-2"])
+    blob = open(sys.argv[2], "rb").read()
+    try:
+      restored = jax.export.deserialize(bytearray(blob))
+    except NotImplementedError as e:
+      print("ERROR", e)
+      raise SystemExit(0)
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    host = np.load(sys.argv[3])
+    specs = (P("x"), P("x"), P("x"), P("x"), P(), P())
+    arrays = [host[f"a{i}"] for i in range(6)]
+    arrays[1] = arrays[1].astype(jax.numpy.bfloat16)  # npz keeps no bfloat16: out came as float32
+    args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(arrays, specs)]
+    np.savez(sys.argv[4], *[np.asarray(r).astype(np.float32) for r in restored.call(*args)])
+    print("DONE")
+""")
+
+
+def test_a_serialized_export_runs_in_a_fresh_process_that_prepared_its_channels(cpu_mesh, tmp_path):
+  pytest.importorskip("flatbuffers", reason="jax.export serialization needs the flatbuffers package")
+  mesh = cpu_mesh(N)
+  rng = np.random.default_rng(1)
+  with fresh_communicator():
+    host, _ = _inputs(rng)
+    blob = tmp_path / "every_op.bin"
+    blob.write_bytes(_exported(mesh, _placed(mesh, host)).serialize())
+  host, expected = _inputs(rng)
+  np.savez(tmp_path / "inputs.npz", **{f"a{i}": a.astype(np.float32) for i, a in enumerate(host)})
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  run = lambda how: subprocess.run(  # noqa: E731
+      [sys.executable, "-c", _LOADER, how, str(blob), str(tmp_path / "inputs.npz"), str(tmp_path / "out.npz")],
+      capture_output=True, text=True, env=env, timeout=300)
+  proc = run("prepare")
+  assert proc.returncode == 0 and "DONE" in proc.stdout, proc.stderr[-3000:]
+  results = np.load(tmp_path / "out.npz")
+  results = [results[f"arr_{i}"] for i in range(6)]
+  results[1] = results[1].astype(jnp.bfloat16)  # merged out, as the op returns it
+  _check(results, expected)
+  # Without prepare() nothing in the process made the channels' effects: jax says which one it lacks.
+  proc = run("none")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "ERROR cannot deserialize effect type <class 'b12x_jax.channels.ChannelOrder[exported" in proc.stdout, \
+      proc.stdout
+
+
+def test_one_channels_effect_is_one_class_made_once():
+  from b12x_jax.channels import channel_order
+  a, b, other = channel_order("same"), channel_order("same"), channel_order("other")
+  assert a == b and hash(a) == hash(b) and type(a) is type(b) and a != other
+  assert type(a)() == a and repr(a) == "ChannelOrder(channel='same')"  # what jax.export's serializer requires
