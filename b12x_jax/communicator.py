@@ -354,7 +354,11 @@ class Communicator:
 
   def check_errors(self) -> None:
     """Raises CollectiveTimeoutError if any wait of this process timed out,
-    also one replayed from a CUDA graph (no handler ran to report it)."""
+    also one replayed from a CUDA graph (no handler ran to report it). First
+    waits for the executions this thread dispatched (each ends within its
+    timeouts), so a failure of one of them is reported, not missed: a call
+    that raised may have peers whose own timeout is still running."""
+    settle()
     messages = _native.pending_errors()
     if messages:
       raise CollectiveTimeoutError("\n".join(messages))
