@@ -235,6 +235,9 @@ def main() -> None:
   for merge in MERGES:
     cache = [jax.device_put(x, by_position) for x in (k_cache, v_cache)]  # donated: a fresh copy per merge
     out, lse, seconds[merge] = run(mesh, merge, steps_in, *cache, lengths_in, progress)
+    if merge == "b12x":
+      decision = b12x_jax.get_communicator().decisions[-1]
+      print(f"dcp_a2a path: {decision.path} ({decision.reason})")
     if merge == "none":
       continue  # each rank's own partials: not the attention
     out_err = np.abs(out - want_out).max() / np.abs(want_out).max()
