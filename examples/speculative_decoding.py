@@ -266,13 +266,16 @@ def speculative_generate(target, draft, prompt, comm: Collectives, k: int, new_t
     tokens = jax.lax.dynamic_update_slice_in_dim(tokens, verdict, n, axis=1)
     return tokens, n + agree + 1, target_cache, draft_cache, rounds + 1, accepted + agree
 
+  def replay(_, state):  # the round again at the same position: n stays
+    tokens, _, *rest = round_(state)
+    return (tokens, state[1], *rest)
+
   zero = jnp.int32(0)
   state = (tokens, jnp.int32(p), target_cache, draft_cache, zero, zero)
   if replay_rounds is None:
     state = jax.lax.while_loop(lambda state: state[1] < end, round_, state)
   else:
-    state = jax.lax.fori_loop(0, replay_rounds, lambda _, s: (lambda out: out[:1] + s[1:2] + out[2:])(round_(s)),
-                              state)
+    state = jax.lax.fori_loop(0, replay_rounds, replay, state)
   tokens, _, _, _, rounds, accepted = state
   return tokens[:, :end], rounds, accepted
 
@@ -399,8 +402,8 @@ def time_variant(mesh, kind: str, target, draft, prompt, progress: Progress,
   return Timing(np.asarray(tokens), int(rounds), int(accepted), float(np.median(times)))
 
 
-def check_args(devices: int) -> None:
-  n = devices
+def check_args(n: int) -> None:
+  """Exits naming the argument when the sizes do not split over n ranks."""
   for name, value in (("--heads", args.heads), ("--kv-heads", args.kv_heads), ("--ffn", args.ffn),
                       ("--vocab", args.vocab)):
     if value % n:
