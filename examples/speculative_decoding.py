@@ -500,11 +500,11 @@ def main() -> None:
   print(f"{'collectives share of a round':36s}{share['b12x']:10.0%}{share['psum']:10.0%}")
   print(f"  share = 1 - (the round with every collective replaced by a local op) / (the round); rounds timed "
         f"{REPLAY_ROUNDS} at a time")
-  print(f"collectives per token: {(target_calls + draft_calls) / args.new_tokens:.1f}, counted from the model "
-        f"(per forward pass {fused} all_reduce_residual_rmsnorm + {plain} all_reduce in the target, "
-        f"{draft_fused} + {draft_plain} in the draft; {b12x.rounds} rounds); b12x channel epochs: "
-        f"{epochs['target'] / generations:.0f} target and {epochs['draft'] / generations:.0f} draft calls per "
-        f"generation (model: {target_calls} and {draft_calls})")
+  print(f"collectives per token: {(target_calls + draft_calls) / args.new_tokens:.1f} b12x calls, counted from the "
+        f"model: per forward pass {fused} all_reduce_residual_rmsnorm + {plain} all_reduce in the target, "
+        f"{draft_fused} + {draft_plain} in the draft; {b12x.rounds} rounds of {args.k} draft passes + 1 target pass")
+  print(f"b12x channel epochs per generation: target {epochs['target'] / generations:.0f}, draft "
+        f"{epochs['draft'] / generations:.0f} (the model's count: {target_calls} and {draft_calls})")
   print(f"paths taken by the b12x calls (comm.decisions): {', '.join(paths)}")
   print(f"acceptance {b12x.accepted / (b12x.rounds * args.k):.0%} ({b12x.accepted}/{b12x.rounds * args.k} "
         f"draft tokens), {args.new_tokens / b12x.rounds:.2f} tokens per round")

@@ -29,8 +29,8 @@ def test_speculative_decoding_tokens_equal_greedy_decoding_on_one_device():
   assert "tokens equal plain greedy decoding of the target on one device (b12x, psum; 2 x 20 new tokens)" in out, out
   assert out.rstrip().endswith("speculative decoding OK")
   # Every collective the model counts ran on a b12x channel, once.
-  epochs = re.search(r"b12x channel epochs: (\d+) target and (\d+) draft calls per generation "
-                     r"\(model: (\d+) and (\d+)\)", out)
+  epochs = re.search(r"b12x channel epochs per generation: target (\d+), draft (\d+) "
+                     r"\(the model's count: (\d+) and (\d+)\)", out)
   assert epochs, out
   assert epochs.group(1) == epochs.group(3) and epochs.group(2) == epochs.group(4), epochs.group(0)
   paths = re.search(r"paths taken by the b12x calls \(comm.decisions\): (.*)", out).group(1)
