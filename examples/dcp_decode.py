@@ -128,20 +128,21 @@ def build(mesh, merge: str):
 
 
 def reference(q, k_new, v_new, k_cache, v_cache, lengths):
-  """Every step's full attention in float64: out [steps, B, H, D], lse [steps, B, H]."""
+  """Every step's full attention in float64: out [steps, B, H, D], lse [steps, B, H].
+  One cache holds every step's append: step t sees positions <= lengths + t,
+  which the steps after it do not write."""
   q, k_new, v_new, k, v = (np.asarray(x, np.float64) for x in (q, k_new, v_new, k_cache, v_cache))
-  k, v = k.copy(), v.copy()
-  rows = np.arange(q.shape[1])
-  outs, lses = [], []
-  for t in range(q.shape[0]):
-    k[rows, lengths + t], v[rows, lengths + t] = k_new[t], v_new[t]
-    scores = np.einsum("bhd,bshd->bhs", q[t], k) / np.sqrt(q.shape[-1])
-    scores = np.where(np.arange(k.shape[1])[None, None, :] <= (lengths + t)[:, None, None], scores, -np.inf)
-    m = scores.max(-1, keepdims=True)
-    lse = m[..., 0] + np.log(np.exp(scores - m).sum(-1))
-    outs.append(np.einsum("bhs,bshd->bhd", np.exp(scores - lse[..., None]), v))
-    lses.append(lse)
-  return np.stack(outs), np.stack(lses)
+  steps, batch = q.shape[:2]
+  positions = lengths[None, :] + np.arange(steps)[:, None]  # [step, B]
+  k[np.arange(batch)[None, :], positions], v[np.arange(batch)[None, :], positions] = k_new, v_new
+  # [B, H, step, S] by matmul (BLAS): the GPU sizes take seconds, not minutes.
+  scores = q.transpose(1, 2, 0, 3) @ k.transpose(0, 2, 3, 1) / np.sqrt(q.shape[-1])
+  visible = np.arange(k.shape[1])[None, None, :] <= positions.T[:, :, None]  # [B, step, S]
+  scores = np.where(visible[:, None], scores, -np.inf)
+  m = scores.max(-1, keepdims=True)
+  lse = m[..., 0] + np.log(np.exp(scores - m).sum(-1))
+  out = np.exp(scores - lse[..., None]) @ v.transpose(0, 2, 1, 3)  # [B, H, step, D]
+  return out.transpose(2, 0, 1, 3), lse.transpose(2, 0, 1)
 
 
 class Progress:
@@ -236,7 +237,7 @@ def main() -> None:
     cache = [jax.device_put(x, by_position) for x in (k_cache, v_cache)]  # donated: a fresh copy per merge
     out, lse, seconds[merge] = run(mesh, merge, steps_in, *cache, lengths_in, progress)
     if merge == "b12x":
-      decision = b12x_jax.get_communicator().decisions[-1]
+      decision = [d for d in b12x_jax.get_communicator().decisions if d.op == "dcp_a2a"][-1]
       print(f"dcp_a2a path: {decision.path} ({decision.reason})")
     if merge == "none":
       continue  # each rank's own partials: not the attention
