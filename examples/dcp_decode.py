@@ -176,7 +176,7 @@ def run(mesh, merge: str, steps, k_cache, v_cache, lengths, progress: Progress):
   return np.asarray(out, np.float64), np.asarray(lse, np.float64), float(np.median(times)) / args.steps
 
 
-def plot(path: str, us_per_step: dict) -> None:
+def plot(path: str, platform: str, us_per_step: dict) -> None:
   """Bars of us per decode step for each merge."""
   try:
     import matplotlib
@@ -189,7 +189,7 @@ def plot(path: str, us_per_step: dict) -> None:
   ax.bar(["b12x_jax.dcp_a2a", "all_to_all + merge", "no merge"], list(us_per_step.values()),
          color=["tab:blue", "tab:orange", "tab:gray"])
   ax.set_ylabel("us per decode step")
-  ax.set_title(f"DCP decode, {args.devices} ranks, B={args.batch} H={args.heads} D={args.head_dim}, "
+  ax.set_title(f"DCP decode, {args.devices} x {platform}, B={args.batch} H={args.heads} D={args.head_dim}, "
                f"{args.kv_len} positions", fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -255,7 +255,7 @@ def main() -> None:
   if devices[0].platform == "cpu":
     print(CPU_TIMINGS)
   if args.plot:
-    plot(args.plot, {merge: t * 1e6 for merge, t in seconds.items()})
+    plot(args.plot, devices[0].platform, {merge: t * 1e6 for merge, t in seconds.items()})
   print("dcp decode OK")
 
 

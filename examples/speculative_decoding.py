@@ -19,9 +19,10 @@ forward pass, the longest prefix every row agrees on plus the target's own next
 token is kept, and both KV caches roll back by their length alone (positions
 are indices; stale entries are masked until rewritten). No host round trip per
 token. The tokens must equal plain greedy decoding of the target on one device,
-checked on every run; the same program with jax.lax.psum (and the norm in jnp),
-and with no collectives at all (each rank keeps its partial sums: timing only),
-is timed next to it.
+checked on every run (exactly in float32; in bf16/fp16 see check_tokens). The
+same program with jax.lax.psum (and the norm in jnp) is timed next to it, and a
+round alone with each, and with no collectives at all (each rank keeps its
+partial sums: timing only), gives the collectives' share of a round.
 
   python examples/speculative_decoding.py          # 2 CPU devices unless >= 2 GPUs
   python examples/speculative_decoding.py --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 \\
@@ -418,7 +419,7 @@ def check_args(n: int) -> None:
     sys.exit(f"--vocab={args.vocab} must be below 2**24 (token ids travel as float32)")
 
 
-def plot(path: str, ms_per_token, shares) -> None:
+def plot(path: str, platform: str, ms_per_token, shares) -> None:
   """Bars of ms per token for b12x and psum, labelled with the collectives' share."""
   try:
     import matplotlib
@@ -433,7 +434,7 @@ def plot(path: str, ms_per_token, shares) -> None:
     ax.annotate(f"collectives {share:.0%} of a round", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                 ha="center", va="bottom", fontsize=8)
   ax.set_ylabel("ms per token")
-  ax.set_title(f"speculative decoding, {args.devices} ranks, hidden {args.hidden}, {args.layers} layers, "
+  ax.set_title(f"speculative decoding, {args.devices} x {platform}, hidden {args.hidden}, {args.layers} layers, "
                f"{args.dtype}", fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -511,7 +512,7 @@ def main() -> None:
   if devices[0].platform == "cpu":
     print(CPU_TIMINGS)
   if args.plot:
-    plot(args.plot, [b12x.seconds / args.new_tokens * 1e3, psum.seconds / args.new_tokens * 1e3],
+    plot(args.plot, devices[0].platform, [b12x.seconds / args.new_tokens * 1e3, psum.seconds / args.new_tokens * 1e3],
          [share["b12x"], share["psum"]])
 
   logits_of = jax.jit(jax.shard_map(teacher_forced_logits, mesh=one_device, in_specs=(PARAM_SPECS, P()),
