@@ -220,7 +220,7 @@ def main() -> None:
   lengths = rng.integers(1, s - steps + 1, size=b).astype(np.int32)
   lengths[0], lengths[-1] = 1, s - steps
   if b > 2:
-    lengths[1] = max(1, s // n - steps // 2)
+    lengths[1] = min(max(1, s // n - steps // 2), s - steps)
   empty = int(sum((lengths <= r * (s // n)).sum() for r in range(n)))
   print(f"mesh: {n} x {devices[0].platform}; B={b} H={h} D={d} {args.dtype}, {s} cache positions per row "
         f"({s // n} per rank), {steps} decode steps in one jitted loop; {empty} of {b * n} (row, rank) shards "

@@ -379,7 +379,7 @@ class Timing(NamedTuple):
   tokens: np.ndarray
   rounds: int
   accepted: int
-  seconds: float  # median of the timed generations
+  seconds: float  # the median of the timed executions
 
 
 def time_variant(mesh, kind: str, target, draft, prompt, progress: Progress,
