@@ -1,22 +1,32 @@
-"""Greedy speculative decoding with a tensor-parallel target and draft model.
+"""Greedy speculative decoding on the devices: a tensor-parallel Llama-style target and draft.
 
-A small decoder-only transformer (random weights from a fixed seed) runs
-tensor-parallel over a mesh axis: attention heads and MLP columns are split
-across ranks, and each layer's attention output and MLP output are summed with
-an all-reduce. The draft model is the target's first layer(s) with the same
-embeddings and head (self-speculation), so it agrees with the target often.
+The model is a Llama-style decoder (RMSNorm, rotary embeddings, grouped-query
+attention with a KV cache, SwiGLU MLP) with random weights from a fixed seed,
+tensor-parallel over a mesh axis as production models are: q/k/v and the MLP's
+gate/up columns are split across the ranks (column-parallel), the attention
+output and MLP down projections are row-parallel, and the embedding and the
+output head are split by vocabulary. Each row-parallel output goes through
+b12x_jax.all_reduce_residual_rmsnorm (all-reduce, residual add and the next
+RMSNorm in one collective); the embedding and the greedy argmax over the
+vocabulary shards use b12x_jax.all_reduce.
 
-Every target collective runs on channel "target" and every draft collective
-on channel "draft": their executables interleave on the devices without
-sharing signal counters or staging memory. Each round the draft proposes `k`
-tokens one at a time, the target scores all of them in one forward pass, and
-the longest agreeing prefix plus the target's own next token is kept, so the
-output equals plain greedy decoding of the target. The example checks that
-against the target decoded one token at a time on one device, then runs the
-same decoding with jax.lax.psum in place of b12x_jax.all_reduce.
+The draft has its own layers (fewer, initialised from the target's first ones,
+as a distilled draft would be) and shares the embedding and head. Draft
+collectives are traced under b12x_jax.channel("draft"), target ones under
+"target". The whole generation is one jitted lax.while_loop: each round the
+draft proposes k tokens (lax.scan), the target scores the k+1 positions in one
+forward pass, the longest prefix every row agrees on plus the target's own next
+token is kept, and both KV caches roll back by their length alone (positions
+are indices; stale entries are masked until rewritten). No host round trip per
+token. The tokens must equal plain greedy decoding of the target on one device,
+checked on every run (exactly in float32; in bf16/fp16 see check_tokens). The
+same program with jax.lax.psum (and the norm in jnp) is timed next to it, and a
+round alone with each, and with no collectives at all (each rank keeps its
+partial sums: timing only), gives the collectives' share of a round.
 
-  python examples/speculative_decoding.py                 # CPU devices unless >= 2 GPUs
-  python examples/speculative_decoding.py --hidden 4096 --heads 32 --dtype bfloat16 --new-tokens 256
+  python examples/speculative_decoding.py          # 2 CPU devices unless >= 2 GPUs
+  python examples/speculative_decoding.py --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 \\
+      --layers 8 --vocab 32000 --dtype bfloat16 --new-tokens 128
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Callable, NamedTuple
 
 # Printed next to timings taken on emulated CPU devices, and shown by --help.
 CPU_TIMINGS = ("On CPU devices the timings measure the emulation (XLA:CPU devices and the host-memory backend "
@@ -32,17 +43,22 @@ CPU_TIMINGS = ("On CPU devices the timings measure the emulation (XLA:CPU device
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=CPU_TIMINGS,
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--devices", type=int, default=2, help="tensor-parallel ranks")
-parser.add_argument("--vocab", type=int, default=512, help="vocabulary size")
-parser.add_argument("--hidden", type=int, default=256, help="model width")
-parser.add_argument("--heads", type=int, default=8, help="attention heads (a multiple of --devices)")
+parser.add_argument("--hidden", type=int, default=128, help="model width")
 parser.add_argument("--layers", type=int, default=4, help="target layers")
-parser.add_argument("--draft-layers", type=int, default=1, help="draft layers (the target's first ones)")
-parser.add_argument("--prompt", type=int, default=8, help="prompt length")
-parser.add_argument("--new-tokens", type=int, default=48, help="tokens to generate")
-parser.add_argument("-k", type=int, default=4, help="draft tokens per round")
-parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+parser.add_argument("--draft-layers", type=int, default=1, help="draft layers")
+parser.add_argument("--heads", type=int, default=8, help="query heads (a multiple of --devices)")
+parser.add_argument("--kv-heads", type=int, default=4, help="key/value heads (divide --heads, a multiple of --devices)")
+parser.add_argument("--ffn", type=int, default=384, help="MLP width (a multiple of --devices)")
+parser.add_argument("--vocab", type=int, default=256, help="vocabulary size (a multiple of --devices)")
+parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+parser.add_argument("--prompt", type=int, default=8, help="prompt length (at least 2)")
+parser.add_argument("--new-tokens", type=int, default=32, help="tokens to generate per sequence")
+parser.add_argument("-k", "--k", type=int, default=4, help="draft tokens per round")
+parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                     help="dtype of weights and activations")
+parser.add_argument("--repeats", type=int, default=3, help="timed generations per variant (the median is shown)")
 parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompt")
+parser.add_argument("--plot", metavar="PATH", help="write a PNG of the timings (needs matplotlib)")
 args = parser.parse_args()
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={max(args.devices, 2)}")
 
@@ -55,143 +71,374 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import b12x_jax  # noqa: E402
 
 AXIS = "tp"
-# Sharding of every parameter over the tensor-parallel axis (heads, MLP columns).
-PARAM_SPECS = {"embed": P(), "head": P(), "final_norm": P(),
-               "attn_norm": P(), "mlp_norm": P(),
-               "wqkv": P(None, None, None, AXIS, None), "wo": P(None, AXIS, None, None),
-               "w_up": P(None, None, AXIS), "w_down": P(None, AXIS, None)}
-CACHE_SPEC = P(None, None, None, AXIS, None)  # [layer, k|v, position, head, head_dim]
+EPS = 1e-5
+ROPE_BASE = 10000.0
+F32 = jnp.float32
+REPLAY_ROUNDS = 16  # rounds per timed execution of a round alone
+# How each parameter is split over the tensor-parallel axis. Layer weights
+# carry a leading layer axis (the layers run under lax.scan).
+LAYER_SPECS = {"attn_norm": P(), "mlp_norm": P(),
+               "wq": P(None, None, AXIS, None), "wk": P(None, None, AXIS, None), "wv": P(None, None, AXIS, None),
+               "wo": P(None, AXIS, None, None),  # [layer, head, head_dim, hidden]: row-parallel
+               "w_gate": P(None, None, AXIS), "w_up": P(None, None, AXIS), "w_down": P(None, AXIS, None)}
+PARAM_SPECS = {"embed": P(AXIS, None), "head": P(None, AXIS), "final_norm": P(), "layers": LAYER_SPECS}
 
 
-def init_params(rng: np.random.Generator, dtype) -> dict:
-  d, h, v, f = args.hidden, args.heads, args.vocab, 4 * args.hidden
-  dh, n = d // h, args.layers
+# -- the model: one rank's shard ---------------------------------------------------
+
+
+class Collectives(NamedTuple):
+  """How ranks combine partial results: `sum` is an all-reduce, `sum_add_norm`
+  the all-reduce, residual add and RMSNorm after a row-parallel layer,
+  returning (normed, new_residual)."""
+  sum: Callable
+  sum_add_norm: Callable
+
+
+def rms_norm(x, weight):
+  x32 = x.astype(F32)
+  return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + EPS) * weight.astype(F32)).astype(x.dtype)
+
+
+def add_rms_norm(total, residual, weight):
+  """all_reduce_residual_rmsnorm's math after the sum: the new residual is
+  rounded once, and normed from the rounded value."""
+  new_residual = (total.astype(F32) + residual.astype(F32)).astype(total.dtype)
+  return rms_norm(new_residual, weight), new_residual
+
+
+COLLECTIVES = {
+    "b12x": Collectives(lambda y: b12x_jax.all_reduce(y, AXIS),
+                        lambda y, residual, w: b12x_jax.all_reduce_residual_rmsnorm(y, residual, w, AXIS, eps=EPS)),
+    "psum": Collectives(lambda y: jax.lax.psum(y, AXIS),
+                        lambda y, residual, w: add_rms_norm(jax.lax.psum(y, AXIS), residual, w)),
+    # No communication: right on one device (the reference); on several, a
+    # timing baseline where each rank keeps its partial sums (tokens unchecked).
+    "none": Collectives(lambda y: y, add_rms_norm),
+}
+
+
+def rope(x, positions):
+  """Rotary embedding of x [batch, T, heads, head_dim] at positions [T]."""
+  half = x.shape[-1] // 2
+  angles = positions[:, None].astype(F32) * ROPE_BASE ** (-jnp.arange(half, dtype=F32) / half)
+  cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+  x1, x2 = x[..., :half].astype(F32), x[..., half:].astype(F32)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+def attention(h, p, k_cache, v_cache, pos):
+  """Grouped-query attention of this rank's heads for h [batch, T, hidden] at
+  positions pos..pos+T-1, writing their keys and values into the cache
+  [batch, position, kv_head, head_dim]. Returns this rank's partial output
+  projection (row-parallel: summed over ranks by the caller) and the cache."""
+  batch, t, _ = h.shape
+  positions = pos + jnp.arange(t)
+  q = rope(jnp.einsum("btd,dhk->bthk", h, p["wq"]), positions)
+  k = rope(jnp.einsum("btd,dhk->bthk", h, p["wk"]), positions)
+  v = jnp.einsum("btd,dhk->bthk", h, p["wv"])
+  k_cache = jax.lax.dynamic_update_slice(k_cache, k, (0, pos, 0, 0))
+  v_cache = jax.lax.dynamic_update_slice(v_cache, v, (0, pos, 0, 0))
+  heads, kv_heads, head_dim = q.shape[2], k_cache.shape[2], q.shape[3]
+  q = q.reshape(batch, t, kv_heads, heads // kv_heads, head_dim)  # query head j reads kv head j // group
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache, preferred_element_type=F32) / np.sqrt(head_dim)
+  # Causal over the cache: entries past the query (stale ones after a rollback too) stay masked.
+  visible = jnp.arange(k_cache.shape[1])[None, :] <= positions[:, None]
+  probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1).astype(h.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache).reshape(batch, t, heads, head_dim)
+  return jnp.einsum("bthk,hkd->btd", out, p["wo"]), k_cache, v_cache
+
+
+def mlp(h, p):
+  """SwiGLU over this rank's MLP columns; a partial sum (row-parallel down)."""
+  return (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+
+
+def embed(table, tokens, rank):
+  """This rank's vocabulary rows of the embedding; 0 for tokens it lacks."""
+  rows = table.shape[0]
+  local = tokens - rank * rows
+  held = (local >= 0) & (local < rows)
+  return jnp.where(held[..., None], table[jnp.clip(local, 0, rows - 1)], 0)
+
+
+def greedy_tokens(h, head, rank, comm: Collectives):
+  """argmax over the vocabulary of h @ head, the head split by vocabulary
+  columns: each rank puts its best logit and token id in its own slot of a
+  zero array and one all-reduce hands every rank all of them (an all-gather).
+  Ties go to the lowest id, as jnp.argmax does."""
+  logits = jnp.einsum("btd,dv->btv", h, head, preferred_element_type=F32)
+  best = jnp.stack([jnp.max(logits, -1), (jnp.argmax(logits, -1) + rank * head.shape[1]).astype(F32)], -1)
+  slots = jnp.zeros((jax.lax.axis_size(AXIS),) + best.shape, F32).at[rank].set(best)
+  slots = comm.sum(slots)  # [rank, batch, T, (logit, id)]; ids are exact in f32 below 2**24
+  winner = jnp.argmax(slots[..., 0], axis=0)  # the first rank holding the max: the lowest id
+  return jnp.take_along_axis(slots[..., 1], winner[None], 0)[0].astype(jnp.int32)
+
+
+def forward(params, cache, tokens, pos, comm: Collectives):
+  """The greedy next token after each of `tokens` [batch, T] at positions
+  pos..pos+T-1, and the KV cache with those positions written."""
+  h, cache = decoder(params, cache, tokens, pos, comm)
+  return greedy_tokens(h, params["head"], jax.lax.axis_index(AXIS), comm), cache
+
+
+def decoder(params, cache, tokens, pos, comm: Collectives):
+  """The final normed hidden states [batch, T, hidden] of `tokens`, and the cache."""
+  rank = jax.lax.axis_index(AXIS)
+  layers = params["layers"]
+  x = comm.sum(embed(params["embed"], tokens, rank))
+  # Each layer's last norm is the next layer's input norm (the final norm after the last layer).
+  next_norms = jnp.concatenate([layers["attn_norm"][1:], params["final_norm"][None]])
+
+  def layer(carry, per_layer):
+    h, residual = carry
+    p, next_norm, k_cache, v_cache = per_layer
+    out, k_cache, v_cache = attention(h, p, k_cache, v_cache, pos)
+    h, residual = comm.sum_add_norm(out, residual, p["mlp_norm"])
+    h, residual = comm.sum_add_norm(mlp(h, p), residual, next_norm)
+    return (h, residual), (k_cache, v_cache)
+
+  (h, _), (k, v) = jax.lax.scan(layer, (rms_norm(x, layers["attn_norm"][0]), x),
+                                (layers, next_norms, cache["k"], cache["v"]))
+  return h, {"k": k, "v": v}
+
+
+def collectives_per_pass(layers: int) -> tuple[int, int]:
+  """(fused all_reduce_residual_rmsnorm, plain all_reduce) calls of one forward pass."""
+  return 2 * layers, 2  # two per layer; the embedding and the argmax
+
+
+def new_cache(params, batch: int, positions: int):
+  """An empty KV cache for this rank's kv heads, varying over the axis (each rank's own)."""
+  layers, _, kv_heads, head_dim = params["layers"]["wk"].shape
+  zeros = jnp.zeros((layers, batch, positions, kv_heads, head_dim), params["embed"].dtype)
+  return {"k": jax.lax.pcast(zeros, AXIS, to="varying"), "v": jax.lax.pcast(zeros, AXIS, to="varying")}
+
+
+def on_channel(name: str, fn):
+  """fn, traced under b12x_jax.channel(name): its b12x collectives run there."""
+  def traced(*a):
+    with b12x_jax.channel(name):
+      return fn(*a)
+  return traced
+
+
+# -- decoding -------------------------------------------------------------------------
+
+
+def speculative_generate(target, draft, prompt, comm: Collectives, k: int, new_tokens: int,
+                         replay_rounds: int | None = None):
+  """Greedy speculative decoding of prompt [batch, P] in one lax.while_loop.
+  Returns (tokens [batch, P + new_tokens], rounds, accepted draft tokens).
+
+  With replay_rounds, runs that many rounds at the prompt's position instead
+  (each redoes the first round): the timing of a round with the same work on
+  every rank, which the "none" variant needs (its ranks disagree on tokens,
+  so their generations would run different numbers of rounds)."""
+  batch, p = prompt.shape
+  end = p + new_tokens
+  run_target = on_channel("target", lambda cache, toks, pos: forward(target, cache, toks, pos, comm))
+  run_draft = on_channel("draft", lambda cache, toks, pos: forward(draft, cache, toks, pos, comm))
+  tokens = jnp.zeros((batch, end + k), jnp.int32).at[:, :p].set(prompt)  # room for a last round's k+1
+  # Both caches hold positions [0, n-1) of the n known tokens: the last is fed next.
+  _, target_cache = run_target(new_cache(target, batch, end + k), prompt[:, :-1], 0)
+  _, draft_cache = run_draft(new_cache(draft, batch, end + k), prompt[:, :-1], 0)
+
+  def propose(draft_cache, tokens, n):
+    # Re-feed the token before the last too: after a round that accepted all
+    # k proposals the draft's cache lacks that position.
+    first, draft_cache = run_draft(draft_cache, jax.lax.dynamic_slice_in_dim(tokens, n - 2, 2, axis=1), n - 2)
+
+    def step(carry, pos):
+      cache, last = carry
+      nxt, cache = run_draft(cache, last[:, None], pos)
+      return (cache, nxt[:, 0]), nxt[:, 0]
+
+    (draft_cache, _), rest = jax.lax.scan(step, (draft_cache, first[:, 1]), n + jnp.arange(k - 1))
+    return jnp.concatenate([first[:, 1:], rest.T], axis=1), draft_cache  # [batch, k]
+
+  def round_(state):
+    tokens, n, target_cache, draft_cache, rounds, accepted = state
+    proposals, draft_cache = propose(draft_cache, tokens, n)
+    fed = jnp.concatenate([jax.lax.dynamic_slice_in_dim(tokens, n - 1, 1, axis=1), proposals], axis=1)
+    verdict, target_cache = run_target(target_cache, fed, n - 1)  # the target's token after each of the k+1
+    agree = jnp.cumprod(proposals == verdict[:, :k], axis=1).sum(axis=1).min()  # every row accepts as many
+    # The accepted proposals equal the target's tokens; those past n + agree are rewritten next round.
+    tokens = jax.lax.dynamic_update_slice_in_dim(tokens, verdict, n, axis=1)
+    return tokens, n + agree + 1, target_cache, draft_cache, rounds + 1, accepted + agree
+
+  def replay(_, state):  # the round again at the same position: n stays
+    tokens, _, *rest = round_(state)
+    return (tokens, state[1], *rest)
+
+  zero = jnp.int32(0)
+  state = (tokens, jnp.int32(p), target_cache, draft_cache, zero, zero)
+  if replay_rounds is None:
+    state = jax.lax.while_loop(lambda state: state[1] < end, round_, state)
+  else:
+    state = jax.lax.fori_loop(0, replay_rounds, replay, state)
+  tokens, _, _, _, rounds, accepted = state
+  return tokens[:, :end], rounds, accepted
+
+
+def greedy_generate(params, prompt, new_tokens: int):
+  """The reference: plain greedy decoding, one token per forward pass."""
+  batch, p = prompt.shape
+  comm = COLLECTIVES["none"]
+  nxt, cache = forward(params, new_cache(params, batch, p + new_tokens), prompt, 0, comm)
+  tokens = jnp.zeros((batch, p + new_tokens), jnp.int32).at[:, :p].set(prompt).at[:, p].set(nxt[:, -1])
+
+  def step(n, state):
+    tokens, cache = state
+    nxt, cache = forward(params, cache, jax.lax.dynamic_slice_in_dim(tokens, n - 1, 1, axis=1), n - 1, comm)
+    return jax.lax.dynamic_update_slice_in_dim(tokens, nxt, n, axis=1), cache
+
+  return jax.lax.fori_loop(p + 1, p + new_tokens, step, (tokens, cache))[0]
+
+
+def teacher_forced_logits(params, tokens):
+  """The target's logits [batch, T, vocab] after each of `tokens` in one pass
+  (on one device: the head holds the whole vocabulary)."""
+  h, _ = decoder(params, new_cache(params, *tokens.shape), tokens, 0, COLLECTIVES["none"])
+  return jnp.einsum("btd,dv->btv", h, params["head"], preferred_element_type=F32)
+
+
+# 16-bit rounding differs between the ranks' sums and one device's matmul, and
+# can flip a greedy choice where the target's two best logits are this close
+# (in standard deviations of the logits); a wrong model misses by far more.
+TIE_STDS = 0.02
+
+
+def check_tokens(kind: str, got: np.ndarray, want: np.ndarray, logits_of) -> str | None:
+  """None when `got` equals plain greedy decoding `want`. Otherwise, in 16-bit
+  dtypes, a note if every generated token is the target's greedy choice for
+  its own prefix up to rounding (logits_of: teacher-forced logits); else exits."""
+  if np.array_equal(got, want):
+    return None
+  row, col = np.argwhere(got != want)[0]
+  where = (f"{kind}: speculative tokens differ from greedy decoding on one device at row {row}, position {col}: "
+           f"{got[row, col:col + 8].tolist()} vs {want[row, col:col + 8].tolist()}")
+  if args.dtype == "float32":
+    sys.exit(where)
+  logits = np.asarray(logits_of(got))[:, args.prompt - 1:-1]  # the logits that chose each generated token
+  chosen = np.take_along_axis(logits, got[:, args.prompt:, None], -1)[..., 0]
+  shortfall = ((logits.max(-1) - chosen) / logits.std(-1)).max()
+  if shortfall > TIE_STDS:
+    sys.exit(f"{where}; a token is {shortfall:.3f} logit std below the target's best for its prefix "
+             f"(rounding stays below {TIE_STDS})")
+  return (f"{kind}: equal up to row {row}, position {col}, a near-tie of the target's logits ({args.dtype} "
+          f"rounding); from there every token is the target's greedy choice for its prefix (within "
+          f"{shortfall:.4f} logit std)")
+
+
+# -- setup, timing, report ----------------------------------------------------------
+
+
+def init_params(key, dtype) -> dict:
+  """Random target weights; the draft takes its first layers."""
+  d, f, v, n = args.hidden, args.ffn, args.vocab, args.layers
+  h, kvh, dh = args.heads, args.kv_heads, args.hidden // args.heads
+  keys = iter(jax.random.split(key, 16))
 
   def normal(shape, fan_in, scale=1.0):
-    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * (scale / np.sqrt(fan_in)), dtype)
+    return (jax.random.normal(next(keys), shape, F32) * (scale / np.sqrt(fan_in))).astype(dtype)
 
-  # Small residual branches (as in GPT-2's init) keep later layers refining
-  # rather than replacing the first ones, so the draft's guesses often hold.
+  # Small residual branches (GPT-2's init) keep later layers refining the
+  # first ones, so a draft made of the first layers often agrees.
   branch = 0.2 / np.sqrt(2 * n)
-
-  return {"embed": normal((v, d), 1), "head": normal((d, v), d), "final_norm": jnp.ones((d,), dtype),
-          "attn_norm": jnp.ones((n, d), dtype), "mlp_norm": jnp.ones((n, d), dtype),
-          "wqkv": normal((n, d, 3, h, dh), d), "wo": normal((n, h, dh, d), d, branch),
-          "w_up": normal((n, d, f), d), "w_down": normal((n, f, d), f, branch)}
-
-
-def rms_norm(x, w):
-  x32 = x.astype(jnp.float32)
-  return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)).astype(x.dtype) * w
+  norm = lambda shape: (1 + 0.1 * jax.random.normal(next(keys), shape, F32)).astype(dtype)  # noqa: E731
+  return {"embed": normal((v, d), 1), "head": normal((d, v), d), "final_norm": norm((d,)),
+          "layers": {"attn_norm": norm((n, d)), "mlp_norm": norm((n, d)),
+                     "wq": normal((n, d, h, dh), d), "wk": normal((n, d, kvh, dh), d),
+                     "wv": normal((n, d, kvh, dh), d), "wo": normal((n, h, dh, d), d, branch),
+                     "w_gate": normal((n, d, f), d), "w_up": normal((n, d, f), d),
+                     "w_down": normal((n, f, d), f, branch)}}
 
 
-def forward(params, cache, tokens, pos, layers: int, reduce):
-  """Logits [T, vocab] of `tokens` [T] at positions pos..pos+T-1, with the
-  KV cache updated there. Works on one rank's head and MLP shard; `reduce`
-  sums a partial result over the ranks (identity on one device)."""
-  x = params["embed"][tokens]
-  t = tokens.shape[0]
-  positions = pos + jnp.arange(t)
-  visible = jnp.arange(cache.shape[2])[None, :] <= positions[:, None]  # causal over the cache
-  for i in range(layers):
-    qkv = jnp.einsum("td,dchk->tchk", rms_norm(x, params["attn_norm"][i]), params["wqkv"][i])
-    new_kv = jnp.moveaxis(qkv[:, 1:], 1, 0)[None].astype(cache.dtype)  # [1, 2, T, heads, head_dim]
-    cache = jax.lax.dynamic_update_slice(cache, new_kv, (i, 0, pos, 0, 0))
-    keys, values = cache[i, 0], cache[i, 1]
-    scores = jnp.einsum("thk,shk->hts", qkv[:, 0], keys).astype(jnp.float32) / np.sqrt(qkv.shape[-1])
-    probs = jax.nn.softmax(jnp.where(visible[None], scores, -jnp.inf), axis=-1).astype(x.dtype)
-    attn = jnp.einsum("hts,shk->thk", probs, values)
-    x = x + reduce(jnp.einsum("thk,hkd->td", attn, params["wo"][i]))
-    up = jax.nn.gelu(rms_norm(x, params["mlp_norm"][i]) @ params["w_up"][i])
-    x = x + reduce(up @ params["w_down"][i])
-  return (rms_norm(x, params["final_norm"]) @ params["head"]).astype(jnp.float32), cache
+def draft_of(params) -> dict:
+  """The draft: its own first --draft-layers layers (copied from the target,
+  as a distilled draft would start), the target's embedding and head."""
+  return {**params, "layers": jax.tree.map(lambda w: w[: args.draft_layers], params["layers"])}
 
 
-def new_cache(layers: int, dtype, heads: int):
-  t_max = args.prompt + args.new_tokens + args.k + 2
-  return jnp.zeros((layers, 2, t_max, heads, args.hidden // args.heads), dtype)
+class Progress:
+  """A one-line bar on stderr when it is a terminal."""
+
+  def __init__(self, total: int):
+    self.total, self.done, self.shown = total, 0, sys.stderr.isatty()
+
+  def step(self, label: str) -> None:
+    self.done += 1
+    if self.shown:
+      bar = "#" * (30 * self.done // self.total)
+      end = "\n" if self.done == self.total else ""
+      print(f"\r  [{bar:30s}] {self.done}/{self.total} {label:40s}", end=end, file=sys.stderr, flush=True)
 
 
-class TensorParallelModel:
-  """One model's jitted steps on the mesh, traced under its channel."""
-
-  def __init__(self, mesh, params, layers: int, channel: str, reduce):
-    self.channel, self.layers = channel, layers
-    specs = {name: PARAM_SPECS[name] for name in params}
-    self.params = {name: jax.device_put(p, NamedSharding(mesh, specs[name])) for name, p in params.items()}
-
-    def step(params, cache, tokens, pos):
-      return forward(params, cache, tokens, pos, layers, lambda y: reduce(y, AXIS))
-
-    self._step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, CACHE_SPEC, P(), P()),
-                                       out_specs=(P(), CACHE_SPEC)), donate_argnums=1)
-    self.cache = jax.device_put(new_cache(layers, params["embed"].dtype, args.heads), NamedSharding(mesh, CACHE_SPEC))
-
-  def __call__(self, tokens, pos: int) -> np.ndarray:
-    with b12x_jax.channel(self.channel):
-      logits, self.cache = self._step(self.params, self.cache, jnp.asarray(tokens, jnp.int32), jnp.int32(pos))
-    return np.asarray(logits)
+class Timing(NamedTuple):
+  tokens: np.ndarray
+  rounds: int
+  accepted: int
+  seconds: float  # the median of the timed executions
 
 
-def speculative_decode(target, draft, prompt: list[int], new_tokens: int,
-                       progress: bool) -> tuple[list[int], int, int]:
-  """Greedy speculative decoding; returns (tokens, drafted, accepted)."""
-  tokens = list(prompt)
-  target(tokens[:-1], 0)  # both caches hold positions [0, n-1): the last token is fed next
-  draft(tokens[:-1], 0)
-  drafted = accepted = 0
-  end = len(prompt) + new_tokens
-  while len(tokens) < end:
-    n = len(tokens)
-    # The draft re-feeds the token before the last as well: after a round
-    # where every draft token was accepted its cache lacks that position.
-    proposal = [int(np.argmax(draft(tokens[-2:], n - 2)[-1]))]
-    for j in range(args.k - 1):
-      proposal.append(int(np.argmax(draft(proposal[-1:], n + j)[-1])))
-    verdict = np.argmax(target([tokens[-1]] + proposal, n - 1), axis=-1)
-    agree = 0
-    while agree < args.k and proposal[agree] == verdict[agree]:
-      agree += 1
-    tokens += proposal[:agree] + [int(verdict[agree])]
-    drafted, accepted = drafted + args.k, accepted + agree
-    if progress:
-      done = min(len(tokens), end) - len(prompt)
-      bar = "#" * (30 * done // new_tokens)
-      print(f"\r  [{bar:30s}] {done}/{new_tokens} tokens", end="", file=sys.stderr, flush=True)
-  if progress:
-    print(file=sys.stderr)
-  return tokens[:end], drafted, accepted
+def time_variant(mesh, kind: str, target, draft, prompt, progress: Progress,
+                 replay_rounds: int | None = None) -> Timing:
+  """Compiles and times the generation (or replay_rounds rounds) with the collectives of `kind`."""
+  generate = lambda t, d, p: speculative_generate(t, d, p, COLLECTIVES[kind], args.k, args.new_tokens,  # noqa: E731
+                                                  replay_rounds)
+  # The "none" variant leaves per-rank values where the sums are invariant
+  # over the axis, so only the real variants let shard_map check that.
+  run = jax.jit(jax.shard_map(generate, mesh=mesh, in_specs=(PARAM_SPECS, PARAM_SPECS, P()),
+                              out_specs=(P(), P(), P()), check_vma=kind != "none"))
+  what = "generation" if replay_rounds is None else f"{replay_rounds} rounds"
+  tokens, rounds, accepted = jax.block_until_ready(run(target, draft, prompt))  # compiles
+  progress.step(f"{kind} {what}: compiled")
+  times = []
+  for i in range(args.repeats):  # one execution at a time: XLA:CPU can hang on queued multi-device runs
+    start = time.perf_counter()
+    jax.block_until_ready(run(target, draft, prompt))
+    times.append(time.perf_counter() - start)
+    progress.step(f"{kind} {what}: run {i + 1}/{args.repeats}")
+  return Timing(np.asarray(tokens), int(rounds), int(accepted), float(np.median(times)))
 
 
-def greedy_on_one_device(params, prompt: list[int]) -> list[int]:
-  """The reference: the full target on one device, one token at a time."""
-  device = jax.devices()[0]
-  params = jax.device_put(params, device)
-  step = jax.jit(lambda p, c, t, pos: forward(p, c, t, pos, args.layers, lambda y: y), donate_argnums=1)
-  cache = jax.device_put(new_cache(args.layers, params["embed"].dtype, args.heads), device)
-  logits, cache = step(params, cache, jnp.asarray(prompt, jnp.int32), jnp.int32(0))
-  tokens = list(prompt) + [int(np.argmax(logits[-1]))]
-  while len(tokens) < len(prompt) + args.new_tokens:
-    logits, cache = step(params, cache, jnp.asarray(tokens[-1:], jnp.int32), jnp.int32(len(tokens) - 1))
-    tokens.append(int(np.argmax(logits[-1])))
-  return tokens
+def check_args(n: int) -> None:
+  """Exits naming the argument when the sizes do not split over n ranks."""
+  for name, value in (("--heads", args.heads), ("--kv-heads", args.kv_heads), ("--ffn", args.ffn),
+                      ("--vocab", args.vocab)):
+    if value % n:
+      sys.exit(f"{name}={value} must be a multiple of --devices={n} (each rank holds an equal shard)")
+  if args.heads % args.kv_heads or args.hidden % args.heads or (args.hidden // args.heads) % 2:
+    sys.exit(f"--kv-heads={args.kv_heads} must divide --heads={args.heads}, and --hidden / --heads must be even")
+  if not 1 <= args.draft_layers <= args.layers:
+    sys.exit(f"--draft-layers={args.draft_layers} must be between 1 and --layers={args.layers}")
+  if args.prompt < 2 or args.k < 1 or args.new_tokens < 1 or args.repeats < 1 or args.batch < 1:
+    sys.exit("--prompt must be >= 2, and --k, --new-tokens, --repeats, --batch >= 1")
+  if args.vocab >= 2 ** 24:
+    sys.exit(f"--vocab={args.vocab} must be below 2**24 (token ids travel as float32)")
 
 
-def run(mesh, params, prompt, reduce, label: str) -> list[int]:
-  draft_params = {name: p[: args.draft_layers] if name in ("attn_norm", "mlp_norm", "wqkv", "wo", "w_up", "w_down")
-                  else p for name, p in params.items()}
-  target = TensorParallelModel(mesh, params, args.layers, "target", reduce)
-  draft = TensorParallelModel(mesh, draft_params, args.draft_layers, "draft", reduce)
-  # Compiles every step shape. Stale cache entries need no reset: a position
-  # is rewritten before the causal mask lets any query see it.
-  speculative_decode(target, draft, prompt, new_tokens=args.k + 1, progress=False)
-  start = time.perf_counter()
-  tokens, drafted, accepted = speculative_decode(target, draft, prompt, args.new_tokens,
-                                                 progress=sys.stderr.isatty())
-  seconds = time.perf_counter() - start
-  print(f"{label:28s}: {args.new_tokens / seconds:8.1f} tokens/s, acceptance {accepted / drafted:.0%} "
-        f"({accepted}/{drafted} draft tokens)")
-  return tokens
+def plot(path: str, platform: str, ms_per_token, shares) -> None:
+  """Bars of ms per token for b12x and psum, labelled with the collectives' share."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print(f"--plot {path}: matplotlib is not importable; no plot written")
+    return
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  bars = ax.bar(["b12x_jax", "jax.lax.psum"], ms_per_token, color=["tab:blue", "tab:orange"])
+  for bar, share in zip(bars, shares):
+    ax.annotate(f"collectives {share:.0%} of a round", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center", va="bottom", fontsize=8)
+  ax.set_ylabel("ms per token")
+  ax.set_title(f"speculative decoding, {args.devices} x {platform}, hidden {args.hidden}, {args.layers} layers, "
+               f"{args.dtype}", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print(f"plot written to {path}")
 
 
 def main() -> None:
@@ -200,32 +447,85 @@ def main() -> None:
   except RuntimeError:
     gpus = []
   devices = gpus if len(gpus) >= args.devices else jax.devices("cpu")
-  if args.heads % args.devices or (4 * args.hidden) % args.devices or args.hidden % args.heads:
-    sys.exit("--heads and 4 * --hidden must divide by --devices, and --hidden by --heads")
+  check_args(args.devices)
   mesh = jax.make_mesh((args.devices,), (AXIS,), devices=devices[: args.devices])
   dtype = jnp.dtype(args.dtype)
-  params = init_params(np.random.default_rng(args.seed), dtype)
-  prompt = [int(t) for t in np.random.default_rng(args.seed + 1).integers(0, args.vocab, args.prompt)]
-  print(f"mesh: {args.devices} x {devices[0].platform}; target {args.layers} layers, draft {args.draft_layers}, "
-        f"hidden {args.hidden}, {args.dtype}, k={args.k}, {args.new_tokens} new tokens")
+  shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), PARAM_SPECS)
+  # Each device draws its own shard of the weights (no host copy of the model).
+  target = jax.jit(init_params, static_argnums=1, out_shardings=shardings)(jax.random.key(args.seed), dtype)
+  draft = jax.jit(draft_of, out_shardings=shardings)(target)
+  prompt = jax.random.randint(jax.random.key(args.seed + 1), (args.batch, args.prompt), 0, args.vocab, jnp.int32)
+  print(f"mesh: {args.devices} x {devices[0].platform}; target {args.layers} layers, draft {args.draft_layers}; "
+        f"hidden {args.hidden}, heads {args.heads} (kv {args.kv_heads}), ffn {args.ffn}, vocab {args.vocab}, "
+        f"{args.dtype}; batch {args.batch}, prompt {args.prompt}, k={args.k}, {args.new_tokens} new tokens")
 
-  got = run(mesh, params, prompt, b12x_jax.all_reduce, "b12x_jax.all_reduce")
-  b12x_jax.check_errors()
   comm = b12x_jax.get_communicator()
-  print("collectives per channel on rank 0: " + ", ".join(
-      f"{name} {comm.stats(name, mesh.devices.flat[0])['epoch']}" for name in ("target", "draft")))
-  baseline = run(mesh, params, prompt, jax.lax.psum, "jax.lax.psum")
+  first = devices[0]
+  progress = Progress(5 * (1 + args.repeats) + 1)
+  # The generations, checked below; b12x first, and its channels' epochs: b12x calls completed.
+  gen = {"b12x": time_variant(mesh, "b12x", target, draft, prompt, progress)}
+  b12x_jax.check_errors()
+  epochs = {ch: comm.stats(ch, first)["epoch"] for ch in ("target", "draft")}
+  paths = sorted({f"{d.op} {d.path}" for d in comm.decisions if d.channel in ("target", "draft")})
+  gen["psum"] = time_variant(mesh, "psum", target, draft, prompt, progress)
+  # A round's time with each kind of collective, and with none (the share of the collectives).
+  rounds = {kind: time_variant(mesh, kind, target, draft, prompt, progress, REPLAY_ROUNDS)
+            for kind in ("b12x", "psum", "none")}
+  b12x_jax.check_errors()
+
+  # The same layers on a mesh of one device: every shard is the whole model.
+  one_device = jax.make_mesh((1,), (AXIS,), devices=devices[:1])
+  reference = jax.jit(jax.shard_map(lambda p, t: greedy_generate(p, t, args.new_tokens), mesh=one_device,
+                                    in_specs=(PARAM_SPECS, P()), out_specs=P(), check_vma=False))
+  one_device_target = jax.device_put(target, devices[0])
+  want = np.asarray(reference(one_device_target, jax.device_put(prompt, devices[0])))
+  progress.step("reference")
+
+  b12x, psum = gen["b12x"], gen["psum"]
+  ms_per_round = {kind: t.seconds / REPLAY_ROUNDS * 1e3 for kind, t in rounds.items()}
+  share = {kind: 1 - ms_per_round["none"] / ms_per_round[kind] for kind in ("b12x", "psum")}
+  fused, plain = collectives_per_pass(args.layers)
+  draft_fused, draft_plain = collectives_per_pass(args.draft_layers)
+  # One target pass and k draft passes per round, one of each for the prompt.
+  target_calls = (1 + b12x.rounds) * (fused + plain)
+  draft_calls = (1 + b12x.rounds * args.k) * (draft_fused + draft_plain)
+  generations = 1 + args.repeats
+
+  print(f"{'':36s}{'b12x':>10s}{'psum':>10s}")
+  print(f"{'ms per token (latency)':36s}{b12x.seconds / args.new_tokens * 1e3:10.3f}"
+        f"{psum.seconds / args.new_tokens * 1e3:10.3f}")
+  print(f"{'tokens/s':36s}{args.batch * args.new_tokens / b12x.seconds:10.1f}"
+        f"{args.batch * args.new_tokens / psum.seconds:10.1f}")
+  print(f"{'ms per round (k drafts + verify)':36s}{ms_per_round['b12x']:10.3f}{ms_per_round['psum']:10.3f}"
+        f"   (no collectives: {ms_per_round['none']:.3f})")
+  print(f"{'collectives share of a round':36s}{share['b12x']:10.0%}{share['psum']:10.0%}")
+  print(f"  share = 1 - (the round with every collective replaced by a local op) / (the round); rounds timed "
+        f"{REPLAY_ROUNDS} at a time")
+  print(f"collectives per token: {(target_calls + draft_calls) / args.new_tokens:.1f} b12x calls, counted from the "
+        f"model: per forward pass {fused} all_reduce_residual_rmsnorm + {plain} all_reduce in the target, "
+        f"{draft_fused} + {draft_plain} in the draft; {b12x.rounds} rounds of {args.k} draft passes + 1 target pass")
+  print(f"b12x channel epochs per generation: target {epochs['target'] / generations:.0f}, draft "
+        f"{epochs['draft'] / generations:.0f} (the model's count: {target_calls} and {draft_calls})")
+  print(f"paths taken by the b12x calls (comm.decisions): {', '.join(paths)}")
+  print(f"acceptance {b12x.accepted / (b12x.rounds * args.k):.0%} ({b12x.accepted}/{b12x.rounds * args.k} "
+        f"draft tokens), {args.new_tokens / b12x.rounds:.2f} tokens per round")
   if devices[0].platform == "cpu":
     print(CPU_TIMINGS)
+  if args.plot:
+    plot(args.plot, devices[0].platform, [b12x.seconds / args.new_tokens * 1e3, psum.seconds / args.new_tokens * 1e3],
+         [share["b12x"], share["psum"]])
 
-  want = greedy_on_one_device(params, prompt)
-  for label, tokens in (("b12x_jax", got), ("psum", baseline)):
-    if tokens != want:
-      first = next(i for i, (a, b) in enumerate(zip(tokens, want)) if a != b)
-      sys.exit(f"{label}: speculative tokens differ from greedy decoding on one device at position {first}: "
-               f"{tokens[first:first + 8]} vs {want[first:first + 8]}")
-  print(f"tokens equal plain greedy decoding of the target on one device ({args.new_tokens} new tokens): "
-        f"{want[len(prompt):len(prompt) + 12]} ...")
+  logits_of = jax.jit(jax.shard_map(teacher_forced_logits, mesh=one_device, in_specs=(PARAM_SPECS, P()),
+                                    out_specs=P(), check_vma=False))
+  notes = {kind: check_tokens(kind, t.tokens, want, lambda got: logits_of(one_device_target, got))
+           for kind, t in gen.items()}
+  equal = [kind for kind, note in notes.items() if note is None]
+  if equal:
+    print(f"tokens equal plain greedy decoding of the target on one device ({', '.join(equal)}; {args.batch} x "
+          f"{args.new_tokens} new tokens): {want[0, args.prompt:args.prompt + 12].tolist()} ...")
+  for note in notes.values():
+    if note is not None:
+      print(note)
   print("speculative decoding OK")
 
 

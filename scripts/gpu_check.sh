@@ -28,7 +28,7 @@ fi
 echo "built in $(( $(date +%s) - start )) s"
 $PY -c 'import b12x_jax, b12x_jax._b12x as m; print("extension:", m.__file__, "cuda:", m.has_cuda())'
 
-tests_rc=0 rig_rc=0
+tests_rc=0 rig_rc=0 examples_rc=0
 if [ "$PART" = all ] || [ "$PART" = rig ]; then
 echo "== one-GPU rig: 2, 4 and 8 processes on GPU 0 under MPS (pytest -m gpu_rig)"
 start=$(date +%s)
@@ -41,6 +41,17 @@ JAX_PLATFORMS=cpu timeout -s INT -k 20 ${B12X_RIG_BOUND_S:=330} $PY -m pytest te
   | sed 's/ - .*//' | tail -25
 rig_rc=${PIPESTATUS[0]}
 echo "rig: rc=$rig_rc in $(( $(date +%s) - start )) s (bound ${B12X_RIG_BOUND_S} s; log: $OUT/rig_tests.log)"
+fi
+if [ "$PART" = rig ]; then
+# The examples need 2 devices in one process: on one GPU they check their
+# results on 2 CPU devices (the host-memory backend), small, in about a minute.
+echo "== examples for correctness on 2 CPU devices (one GPU cannot hold a 2-device mesh)"
+for example in "speculative_decoding.py --batch 2 --repeats 1" "dcp_decode.py --repeats 2"; do
+  JAX_PLATFORMS=cpu timeout 300 $PY examples/$example 2>&1 | grep -E "OK$|equal|differ|error|Error" | tail -4
+  example_rc=${PIPESTATUS[0]}
+  echo "examples/${example%% *}: rc=$example_rc"
+  [ "$example_rc" -eq 0 ] || rig_rc=$example_rc
+done
 fi
 [ "$PART" = rig ] && { echo "== summary: rig tests rc=$rig_rc"; exit $rig_rc; }
 
@@ -63,12 +74,23 @@ if [ "$PART" != perf ]; then
 echo "== quickstart"
 $PY examples/quickstart.py 2>&1 | grep -v "^W\|^I" | tail -8
 
-echo "== speculative decoding (target hidden 4096, bf16)"
-$PY examples/speculative_decoding.py --hidden 4096 --heads 32 --vocab 32000 --layers 4 --draft-layers 1 \
-  --dtype bfloat16 --new-tokens 128 2>&1 | grep -v "^W\|^I" | tail -8
+# Each example checks itself (tokens against greedy decoding on one device,
+# attention against float64) and exits non-zero when wrong.
+echo "== speculative decoding, Llama-style target: hidden 4096, 8 layers, bf16"
+$PY examples/speculative_decoding.py --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --layers 8 --draft-layers 1 \
+  --vocab 32000 --dtype bfloat16 --new-tokens 128 --plot "$OUT/speculative_4096.png" 2>&1 | grep -v "^W\|^I" | tail -14
+[ "${PIPESTATUS[0]}" -eq 0 ] || examples_rc=1
 
-echo "== dcp decode (B 8, H 32, D 128, 8192 cached positions, bf16)"
-$PY examples/dcp_decode.py --batch 8 --heads 32 --head-dim 128 --kv-len 8192 2>&1 | grep -v "^W\|^I" | tail -6
+echo "== speculative decoding, Llama-style target: hidden 8192, 8 layers, bf16"
+$PY examples/speculative_decoding.py --hidden 8192 --heads 64 --kv-heads 8 --ffn 28672 --layers 8 --draft-layers 1 \
+  --vocab 32000 --dtype bfloat16 --new-tokens 64 --plot "$OUT/speculative_8192.png" 2>&1 | grep -v "^W\|^I" | tail -14
+[ "${PIPESTATUS[0]}" -eq 0 ] || examples_rc=1
+
+echo "== dcp decode (B 8, H 32, D 128, 8192 cached positions, 32 steps in one loop, bf16)"
+$PY examples/dcp_decode.py --batch 8 --heads 32 --head-dim 128 --kv-len 8192 --steps 32 \
+  --plot "$OUT/dcp_decode.png" 2>&1 | grep -v "^W\|^I" | tail -9
+[ "${PIPESTATUS[0]}" -eq 0 ] || examples_rc=1
+echo "examples: rc=$examples_rc"
 
 echo "== command-buffer capture: 8 chained b12x all-reduces, 8 chained dispatch probes"
 dump=/tmp/b12x_xla_dump; rm -rf "$dump"
@@ -117,5 +139,6 @@ $PY benchmarks/all_reduce_multiprocess.py --json "$OUT/all_reduce_multiprocess.j
 fi
 
 [ "$tests_rc" -eq 0 ] && tests_rc=$rig_rc
-echo "== summary: gpu tests rc=$tests_rc (rig rc=$rig_rc)"
+[ "$tests_rc" -eq 0 ] && tests_rc=$examples_rc
+echo "== summary: gpu tests rc=$tests_rc (rig rc=$rig_rc, examples rc=$examples_rc)"
 exit $tests_rc

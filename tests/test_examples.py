@@ -1,0 +1,61 @@
+"""The examples run small on CPU devices: each checks its own results (tokens
+against greedy decoding on one device, attention against float64) and exits
+non-zero when they are wrong; these tests read the exit status and the check
+lines, and that the b12x calls ran on b12x rather than a fallback."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, "examples")
+
+
+def run_example(name: str, *args: str, devices: int = 2, timeout: float = 240.0) -> subprocess.CompletedProcess:
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  return subprocess.run([sys.executable, os.path.join(EXAMPLES, name), *args], capture_output=True, text=True,
+                        env=env, timeout=timeout)
+
+
+def test_speculative_decoding_tokens_equal_greedy_decoding_on_one_device():
+  # float32: rounding cannot split greedy choices, so both variants must equal the reference exactly.
+  proc = run_example("speculative_decoding.py", "--batch", "2", "--k", "3", "--new-tokens", "20", "--repeats", "1")
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  out = proc.stdout
+  assert "tokens equal plain greedy decoding of the target on one device (b12x, psum; 2 x 20 new tokens)" in out, out
+  assert out.rstrip().endswith("speculative decoding OK")
+  # Every collective the model counts ran on a b12x channel, once.
+  epochs = re.search(r"b12x channel epochs per generation: target (\d+), draft (\d+) "
+                     r"\(the model's count: (\d+) and (\d+)\)", out)
+  assert epochs, out
+  assert epochs.group(1) == epochs.group(3) and epochs.group(2) == epochs.group(4), epochs.group(0)
+  paths = re.search(r"paths taken by the b12x calls \(comm.decisions\): (.*)", out).group(1)
+  assert paths == "all_reduce b12x, all_reduce_residual_rmsnorm b12x", paths
+  for row in ("ms per token (latency)", "tokens/s", "collectives share of a round", "acceptance"):
+    assert row in out, row
+
+
+def test_dcp_decode_matches_full_attention_in_float64_on_four_ranks():
+  proc = run_example("dcp_decode.py", "--devices", "4", "--batch", "3", "--heads", "8", "--head-dim", "64",
+                     "--kv-len", "128", "--steps", "8", "--repeats", "2", devices=4)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  out = proc.stdout
+  assert "dcp_a2a path: b12x" in out, out
+  for merge in ("b12x", "all_to_all"):
+    assert re.search(rf"^{merge} +: +[\d.]+ us per decode step; relative error over 8 steps", out, re.M), out
+  assert out.rstrip().endswith("dcp decode OK")
+
+
+@pytest.mark.parametrize(("name", "args", "message"), [
+    ("speculative_decoding.py", ("--kv-heads", "3"), "--kv-heads=3 must be a multiple of --devices=2"),
+    ("speculative_decoding.py", ("--draft-layers", "5"), "--draft-layers=5 must be between 1 and --layers=4"),
+    ("dcp_decode.py", ("--heads", "5"), "--heads=5 and --kv-len=256 must be multiples of --devices=2"),
+])
+def test_examples_name_the_bad_argument(name, args, message):
+  proc = run_example(name, *args, timeout=60.0)
+  assert proc.returncode != 0
+  assert message in proc.stderr, proc.stderr[-2000:]
