@@ -15,6 +15,7 @@ partials: timing only), in the same run.
 
   python examples/dcp_decode.py                 # 2 CPU devices unless >= 2 GPUs
   python examples/dcp_decode.py --batch 8 --heads 32 --head-dim 128 --kv-len 8192
+  python examples/dcp_decode.py --processes 2 --shared-gpu   # 2 processes on GPU 0 (start MPS first)
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import argparse
 import os
 import sys
 import time
+
+import _processes
 
 # Printed next to timings taken on emulated CPU devices, and shown by --help.
 CPU_TIMINGS = ("On CPU devices the timings measure the emulation (XLA:CPU devices and the host-memory backend "
@@ -39,9 +42,11 @@ parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16
 parser.add_argument("--repeats", type=int, default=10, help="timed executions per merge (the median is shown)")
 parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
 parser.add_argument("--plot", metavar="PATH", help="write a PNG of the timings (needs matplotlib)")
+_processes.add_arguments(parser)
 args = parser.parse_args()
 # Emulated CPU devices, used only when fewer than --devices GPUs are present.
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={max(args.devices, 2)}")
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={_processes.host_devices(args)}")
+_processes.launch_or_join(args)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -160,7 +165,7 @@ class Progress:
 
 
 def run(mesh, merge: str, steps, k_cache, v_cache, lengths, progress: Progress):
-  """The first execution's out and lse (float64), and the median seconds per decode step."""
+  """The first execution's out and lse, and the median seconds per decode step."""
   with b12x_jax.channel("decode"):
     loop = build(mesh, merge)
     out, lse, k_cache, v_cache = jax.block_until_ready(loop(*steps, k_cache, v_cache, lengths))
@@ -173,7 +178,18 @@ def run(mesh, merge: str, steps, k_cache, v_cache, lengths, progress: Progress):
       times.append(time.perf_counter() - start)
       progress.step(f"{merge}: run {i + 1}/{args.repeats}")
   b12x_jax.check_errors()
-  return np.asarray(out, np.float64), np.asarray(lse, np.float64), float(np.median(times)) / args.steps
+  return out, lse, float(np.median(times)) / args.steps
+
+
+def relative_error(got: jax.Array, want: np.ndarray) -> float:
+  """max |got - want| / max |want| over the shards of `got` this process holds."""
+  return max(np.abs(np.asarray(shard.data, np.float64) - want[shard.index]).max()
+             for shard in got.addressable_shards) / np.abs(want).max()
+
+
+def global_array(x: np.ndarray, sharding) -> jax.Array:
+  """x (the same on every process) as an array of `sharding`."""
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def plot(path: str, platform: str, us_per_step: dict) -> None:
@@ -186,8 +202,9 @@ def plot(path: str, platform: str, us_per_step: dict) -> None:
     print(f"--plot {path}: matplotlib is not importable; no plot written")
     return
   fig, ax = plt.subplots(figsize=(6, 3.5))
-  ax.bar(["b12x_jax.dcp_a2a", "all_to_all + merge", "no merge"], list(us_per_step.values()),
-         color=["tab:blue", "tab:orange", "tab:gray"])
+  labels = {"b12x": "b12x_jax.dcp_a2a", "all_to_all": "all_to_all + merge", "none": "no merge"}
+  colors = {"b12x": "tab:blue", "all_to_all": "tab:orange", "none": "tab:gray"}
+  ax.bar([labels[m] for m in us_per_step], list(us_per_step.values()), color=[colors[m] for m in us_per_step])
   ax.set_ylabel("us per decode step")
   ax.set_title(f"DCP decode, {args.devices} x {platform}, B={args.batch} H={args.heads} D={args.head_dim}, "
                f"{args.kv_len} positions", fontsize=9)
@@ -211,9 +228,9 @@ def main() -> None:
   dtype = jnp.dtype(args.dtype)
 
   rng = np.random.default_rng(args.seed)
-  q, k_new, v_new = (jnp.asarray(rng.standard_normal((steps, b, h, d)), dtype) for _ in range(3))
+  q, k_new, v_new = (rng.standard_normal((steps, b, h, d)).astype(dtype) for _ in range(3))
   # Every position starts random: those a step has not written yet must stay masked.
-  k_cache, v_cache = (jnp.asarray(rng.standard_normal((b, s, h, d)), dtype) for _ in range(2))
+  k_cache, v_cache = (rng.standard_normal((b, s, h, d)).astype(dtype) for _ in range(2))
   # Row 0 starts with one key (every rank but 0 holds none of it), row 1 crosses
   # from rank 0's shard to rank 1's during the steps, the last row ends at the
   # cache's end; the others start at a random length.
@@ -222,36 +239,40 @@ def main() -> None:
   if b > 2:
     lengths[1] = min(max(1, s // n - steps // 2), s - steps)
   empty = int(sum((lengths <= r * (s // n)).sum() for r in range(n)))
-  print(f"mesh: {n} x {devices[0].platform}; B={b} H={h} D={d} {args.dtype}, {s} cache positions per row "
+  print(f"mesh: {n} x {devices[0].platform}{f' in {args.processes} processes' if args.processes > 1 else ''}; B={b} H={h} D={d} {args.dtype}, {s} cache positions per row "
         f"({s // n} per rank), {steps} decode steps in one jitted loop; {empty} of {b * n} (row, rank) shards "
         f"start empty")
 
   replicated, by_position = NamedSharding(mesh, P()), NamedSharding(mesh, CACHE_SPEC)
-  steps_in = tuple(jax.device_put(x, replicated) for x in (q, k_new, v_new))
-  lengths_in = jax.device_put(jnp.asarray(lengths), replicated)
+  steps_in = tuple(global_array(x, replicated) for x in (q, k_new, v_new))
+  lengths_in = global_array(lengths, replicated)
   want_out, want_lse = reference(q, k_new, v_new, k_cache, v_cache, lengths)
 
-  progress = Progress(3 * (1 + args.repeats))
+  # jax.lax.all_to_all (NCCL) cannot run between processes that share one GPU.
+  merges = [m for m in MERGES if not (args.shared_gpu and m == "all_to_all")]
+  progress = Progress(len(merges) * (1 + args.repeats))
   seconds = {}
-  for merge in MERGES:
-    cache = [jax.device_put(x, by_position) for x in (k_cache, v_cache)]  # donated: a fresh copy per merge
+  for merge in merges:
+    cache = [global_array(x, by_position) for x in (k_cache, v_cache)]  # donated: a fresh copy per merge
     out, lse, seconds[merge] = run(mesh, merge, steps_in, *cache, lengths_in, progress)
     if merge == "b12x":
       decision = [d for d in b12x_jax.get_communicator().decisions if d.op == "dcp_a2a"][-1]
       print(f"dcp_a2a path: {decision.path} ({decision.reason})")
     if merge == "none":
       continue  # each rank's own partials: not the attention
-    out_err = np.abs(out - want_out).max() / np.abs(want_out).max()
-    lse_err = np.abs(lse - want_lse).max() / np.abs(want_lse).max()
+    out_err, lse_err = relative_error(out, want_out), relative_error(lse, want_lse)
     if not (out_err < 2e-2 and lse_err < 1e-4):
       sys.exit(f"{merge}: relative error out {out_err:.1e}, lse {lse_err:.1e} vs float64 full attention "
                f"(bounds 2e-2 and 1e-4)")
     print(f"{merge:12s}: {seconds[merge] * 1e6:9.1f} us per decode step; relative error over {steps} steps: "
           f"out {out_err:.1e}, lse {lse_err:.1e}")
   print(f"{'no merge':12s}: {seconds['none'] * 1e6:9.1f} us per decode step (each rank's own partials: timing only)")
-  for merge in ("b12x", "all_to_all"):
+  for merge in merges[:-1]:
     print(f"merge share of a step ({merge}): {1 - seconds['none'] / seconds[merge]:.0%}")
-  print(f"all_to_all / b12x: {seconds['all_to_all'] / seconds['b12x']:.2f}x per decode step")
+  if "all_to_all" in seconds:
+    print(f"all_to_all / b12x: {seconds['all_to_all'] / seconds['b12x']:.2f}x per decode step")
+  else:
+    print("all_to_all not timed: NCCL cannot run between processes that share one GPU (--shared-gpu)")
   if devices[0].platform == "cpu":
     print(CPU_TIMINGS)
   if args.plot:

@@ -25,6 +25,7 @@ round alone with each, and with no collectives at all (each rank keeps its
 partial sums: timing only), gives the collectives' share of a round.
 
   python examples/speculative_decoding.py          # 2 CPU devices unless >= 2 GPUs
+  python examples/speculative_decoding.py --processes 2 --shared-gpu   # 2 processes on GPU 0 (MPS on)
   python examples/speculative_decoding.py --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 \\
       --layers 8 --vocab 32000 --dtype bfloat16 --new-tokens 128
 """
@@ -36,6 +37,8 @@ import os
 import sys
 import time
 from typing import Callable, NamedTuple
+
+import _processes
 
 # Printed next to timings taken on emulated CPU devices, and shown by --help.
 CPU_TIMINGS = ("On CPU devices the timings measure the emulation (XLA:CPU devices and the host-memory backend "
@@ -59,8 +62,10 @@ parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"
 parser.add_argument("--repeats", type=int, default=3, help="timed generations per variant (the median is shown)")
 parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompt")
 parser.add_argument("--plot", metavar="PATH", help="write a PNG of the timings (needs matplotlib)")
+_processes.add_arguments(parser)
 args = parser.parse_args()
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={max(args.devices, 2)}")
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={_processes.host_devices(args)}")
+_processes.launch_or_join(args)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -242,7 +247,12 @@ def speculative_generate(target, draft, prompt, comm: Collectives, k: int, new_t
   tokens = jnp.zeros((batch, end + k), jnp.int32).at[:, :p].set(prompt)  # room for a last round's k+1
   # Both caches hold positions [0, n-1) of the n known tokens: the last is fed next.
   _, target_cache = run_target(new_cache(target, batch, end + k), prompt[:, :-1], 0)
-  _, draft_cache = run_draft(new_cache(draft, batch, end + k), prompt[:, :-1], 0)
+  # The draft's prefill after the target's: calls of two channels that do not
+  # depend on each other may run in different orders on different ranks
+  # (XLA:CPU across processes does), and then wait for each other until the
+  # timeout (README, "the rule for users"). The rounds below depend in turn.
+  target_cache, draft_prompt = jax.lax.optimization_barrier((target_cache, prompt[:, :-1]))
+  _, draft_cache = run_draft(new_cache(draft, batch, end + k), draft_prompt, 0)
 
   def propose(draft_cache, tokens, n):
     # Re-feed the token before the last too: after a round that accepted all
@@ -400,7 +410,8 @@ def time_variant(mesh, kind: str, target, draft, prompt, progress: Progress,
     jax.block_until_ready(run(target, draft, prompt))
     times.append(time.perf_counter() - start)
     progress.step(f"{kind} {what}: run {i + 1}/{args.repeats}")
-  return Timing(np.asarray(tokens), int(rounds), int(accepted), float(np.median(times)))
+  tokens, rounds, accepted = (np.asarray(x.addressable_data(0)) for x in (tokens, rounds, accepted))  # replicated
+  return Timing(tokens, int(rounds), int(accepted), float(np.median(times)))
 
 
 def check_args(n: int) -> None:
@@ -419,8 +430,8 @@ def check_args(n: int) -> None:
     sys.exit(f"--vocab={args.vocab} must be below 2**24 (token ids travel as float32)")
 
 
-def plot(path: str, platform: str, ms_per_token, shares) -> None:
-  """Bars of ms per token for b12x and psum, labelled with the collectives' share."""
+def plot(path: str, platform: str, ms_per_token: dict, shares: dict) -> None:
+  """Bars of ms per token of each kind of collective, labelled with the collectives' share."""
   try:
     import matplotlib
     matplotlib.use("Agg")
@@ -429,8 +440,10 @@ def plot(path: str, platform: str, ms_per_token, shares) -> None:
     print(f"--plot {path}: matplotlib is not importable; no plot written")
     return
   fig, ax = plt.subplots(figsize=(6, 3.5))
-  bars = ax.bar(["b12x_jax", "jax.lax.psum"], ms_per_token, color=["tab:blue", "tab:orange"])
-  for bar, share in zip(bars, shares):
+  labels = {"b12x": "b12x_jax", "psum": "jax.lax.psum"}
+  bars = ax.bar([labels[k] for k in ms_per_token], list(ms_per_token.values()),
+                color=["tab:blue", "tab:orange"][: len(ms_per_token)])
+  for bar, share in zip(bars, shares.values()):
     ax.annotate(f"collectives {share:.0%} of a round", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                 ha="center", va="bottom", fontsize=8)
   ax.set_ylabel("ms per token")
@@ -449,41 +462,50 @@ def main() -> None:
   devices = gpus if len(gpus) >= args.devices else jax.devices("cpu")
   check_args(args.devices)
   mesh = jax.make_mesh((args.devices,), (AXIS,), devices=devices[: args.devices])
+  # This process's device of the mesh (with --processes, each process has one).
+  local = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
   dtype = jnp.dtype(args.dtype)
   shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), PARAM_SPECS)
   # Each device draws its own shard of the weights (no host copy of the model).
   target = jax.jit(init_params, static_argnums=1, out_shardings=shardings)(jax.random.key(args.seed), dtype)
   draft = jax.jit(draft_of, out_shardings=shardings)(target)
-  prompt = jax.random.randint(jax.random.key(args.seed + 1), (args.batch, args.prompt), 0, args.vocab, jnp.int32)
-  print(f"mesh: {args.devices} x {devices[0].platform}; target {args.layers} layers, draft {args.draft_layers}; "
-        f"hidden {args.hidden}, heads {args.heads} (kv {args.kv_heads}), ffn {args.ffn}, vocab {args.vocab}, "
-        f"{args.dtype}; batch {args.batch}, prompt {args.prompt}, k={args.k}, {args.new_tokens} new tokens")
+  prompt = jax.jit(lambda key: jax.random.randint(key, (args.batch, args.prompt), 0, args.vocab, jnp.int32),
+                   out_shardings=NamedSharding(mesh, P()))(jax.random.key(args.seed + 1))
+  print(f"mesh: {args.devices} x {devices[0].platform}"
+        f"{f' in {args.processes} processes' if args.processes > 1 else ''}; target {args.layers} layers, draft "
+        f"{args.draft_layers}; hidden {args.hidden}, heads {args.heads} (kv {args.kv_heads}), ffn {args.ffn}, vocab "
+        f"{args.vocab}, {args.dtype}; batch {args.batch}, prompt {args.prompt}, k={args.k}, {args.new_tokens} new "
+        f"tokens")
 
+  # jax.lax collectives (NCCL) cannot run between processes that share one GPU.
+  kinds = ("b12x",) if args.shared_gpu else ("b12x", "psum")
   comm = b12x_jax.get_communicator()
-  first = devices[0]
-  progress = Progress(5 * (1 + args.repeats) + 1)
+  progress = Progress(len(kinds) * (1 + args.repeats) + (len(kinds) + 1) * (1 + args.repeats) + 1)
   # The generations, checked below; b12x first, and its channels' epochs: b12x calls completed.
   gen = {"b12x": time_variant(mesh, "b12x", target, draft, prompt, progress)}
   b12x_jax.check_errors()
-  epochs = {ch: comm.stats(ch, first)["epoch"] for ch in ("target", "draft")}
+  epochs = {ch: comm.stats(ch, local)["epoch"] for ch in ("target", "draft")}
   paths = sorted({f"{d.op} {d.path}" for d in comm.decisions if d.channel in ("target", "draft")})
-  gen["psum"] = time_variant(mesh, "psum", target, draft, prompt, progress)
+  gen.update({kind: time_variant(mesh, kind, target, draft, prompt, progress) for kind in kinds[1:]})
   # A round's time with each kind of collective, and with none (the share of the collectives).
   rounds = {kind: time_variant(mesh, kind, target, draft, prompt, progress, REPLAY_ROUNDS)
-            for kind in ("b12x", "psum", "none")}
+            for kind in (*kinds, "none")}
   b12x_jax.check_errors()
 
-  # The same layers on a mesh of one device: every shard is the whole model.
-  one_device = jax.make_mesh((1,), (AXIS,), devices=devices[:1])
+  # The reference on this process's device alone: the same weights drawn whole
+  # (random draws do not depend on the sharding), every shard the whole model.
+  one_device = jax.make_mesh((1,), (AXIS,), devices=[local])
+  one_device_target = jax.jit(init_params, static_argnums=1,
+                              out_shardings=jax.tree.map(lambda spec: NamedSharding(one_device, spec), PARAM_SPECS))(
+                                  jax.random.key(args.seed), dtype)
   reference = jax.jit(jax.shard_map(lambda p, t: greedy_generate(p, t, args.new_tokens), mesh=one_device,
                                     in_specs=(PARAM_SPECS, P()), out_specs=P(), check_vma=False))
-  one_device_target = jax.device_put(target, devices[0])
-  want = np.asarray(reference(one_device_target, jax.device_put(prompt, devices[0])))
+  want = np.asarray(reference(one_device_target, prompt.addressable_data(0)))
   progress.step("reference")
 
-  b12x, psum = gen["b12x"], gen["psum"]
+  b12x = gen["b12x"]
   ms_per_round = {kind: t.seconds / REPLAY_ROUNDS * 1e3 for kind, t in rounds.items()}
-  share = {kind: 1 - ms_per_round["none"] / ms_per_round[kind] for kind in ("b12x", "psum")}
+  share = {kind: 1 - ms_per_round["none"] / ms_per_round[kind] for kind in kinds}
   fused, plain = collectives_per_pass(args.layers)
   draft_fused, draft_plain = collectives_per_pass(args.draft_layers)
   # One target pass and k draft passes per round, one of each for the prompt.
@@ -491,16 +513,19 @@ def main() -> None:
   draft_calls = (1 + b12x.rounds * args.k) * (draft_fused + draft_plain)
   generations = 1 + args.repeats
 
-  print(f"{'':36s}{'b12x':>10s}{'psum':>10s}")
-  print(f"{'ms per token (latency)':36s}{b12x.seconds / args.new_tokens * 1e3:10.3f}"
-        f"{psum.seconds / args.new_tokens * 1e3:10.3f}")
-  print(f"{'tokens/s':36s}{args.batch * args.new_tokens / b12x.seconds:10.1f}"
-        f"{args.batch * args.new_tokens / psum.seconds:10.1f}")
-  print(f"{'ms per round (k drafts + verify)':36s}{ms_per_round['b12x']:10.3f}{ms_per_round['psum']:10.3f}"
-        f"   (no collectives: {ms_per_round['none']:.3f})")
-  print(f"{'collectives share of a round':36s}{share['b12x']:10.0%}{share['psum']:10.0%}")
+  def row(label: str, values, fmt: str) -> None:
+    print(f"{label:36s}" + "".join(f"{v:{fmt}}" for v in values))
+
+  row("", kinds, ">10s")
+  row("ms per token (latency)", [gen[k].seconds / args.new_tokens * 1e3 for k in kinds], "10.3f")
+  row("tokens/s", [args.batch * args.new_tokens / gen[k].seconds for k in kinds], "10.1f")
+  row("ms per round (k drafts + verify)", [ms_per_round[k] for k in kinds], "10.3f")
+  print(f"{'':36s}(no collectives: {ms_per_round['none']:.3f})")
+  row("collectives share of a round", [share[k] for k in kinds], "10.0%")
   print(f"  share = 1 - (the round with every collective replaced by a local op) / (the round); rounds timed "
         f"{REPLAY_ROUNDS} at a time")
+  if args.shared_gpu:
+    print("  psum not timed: NCCL cannot run between processes that share one GPU (--shared-gpu)")
   print(f"collectives per token: {(target_calls + draft_calls) / args.new_tokens:.1f} b12x calls, counted from the "
         f"model: per forward pass {fused} all_reduce_residual_rmsnorm + {plain} all_reduce in the target, "
         f"{draft_fused} + {draft_plain} in the draft; {b12x.rounds} rounds of {args.k} draft passes + 1 target pass")
@@ -512,8 +537,8 @@ def main() -> None:
   if devices[0].platform == "cpu":
     print(CPU_TIMINGS)
   if args.plot:
-    plot(args.plot, devices[0].platform, [b12x.seconds / args.new_tokens * 1e3, psum.seconds / args.new_tokens * 1e3],
-         [share["b12x"], share["psum"]])
+    plot(args.plot, devices[0].platform, {k: gen[k].seconds / args.new_tokens * 1e3 for k in kinds},
+         {k: share[k] for k in kinds})
 
   logits_of = jax.jit(jax.shard_map(teacher_forced_logits, mesh=one_device, in_specs=(PARAM_SPECS, P()),
                                     out_specs=P(), check_vma=False))

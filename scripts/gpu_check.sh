@@ -43,15 +43,19 @@ rig_rc=${PIPESTATUS[0]}
 echo "rig: rc=$rig_rc in $(( $(date +%s) - start )) s (bound ${B12X_RIG_BOUND_S} s; log: $OUT/rig_tests.log)"
 fi
 if [ "$PART" = rig ]; then
-# The examples need 2 devices in one process: on one GPU they check their
-# results on 2 CPU devices (the host-memory backend), small, in about a minute.
-echo "== examples for correctness on 2 CPU devices (one GPU cannot hold a 2-device mesh)"
-for example in "speculative_decoding.py --batch 2 --repeats 1" "dcp_decode.py --repeats 2"; do
-  JAX_PLATFORMS=cpu timeout 300 $PY examples/$example 2>&1 | grep -E "OK$|equal|differ|error|Error" | tail -4
+# The examples as 2 jax.distributed processes on GPU 0, b12x over CUDA IPC, under
+# an MPS daemon of their own (the rig tests' fixture stops its daemon when they end).
+echo "== examples for correctness: 2 processes on GPU 0 (--shared-gpu, under MPS)"
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/b12x_examples_mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/b12x_examples_mps/log
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+/usr/local/nvidia/bin/nvidia-cuda-mps-control -d || echo "MPS did not start: the processes time-slice GPU 0"
+for example in "speculative_decoding.py --batch 2 --repeats 1 --dtype bfloat16" "dcp_decode.py --repeats 2"; do
+  timeout 300 $PY examples/$example --processes 2 --shared-gpu 2>&1 | grep -E "OK$|equal|differ|error|Error|mesh" | tail -5
   example_rc=${PIPESTATUS[0]}
   echo "examples/${example%% *}: rc=$example_rc"
   [ "$example_rc" -eq 0 ] || rig_rc=$example_rc
 done
+echo quit | /usr/local/nvidia/bin/nvidia-cuda-mps-control
 fi
 [ "$PART" = rig ] && { echo "== summary: rig tests rc=$rig_rc"; exit $rig_rc; }
 

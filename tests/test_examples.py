@@ -50,10 +50,24 @@ def test_dcp_decode_matches_full_attention_in_float64_on_four_ranks():
   assert out.rstrip().endswith("dcp decode OK")
 
 
+@pytest.mark.parametrize(("name", "args", "check"), [
+    ("speculative_decoding.py", ("--layers", "2", "--new-tokens", "12", "--repeats", "1"),
+     "tokens equal plain greedy decoding of the target on one device (b12x, psum; 1 x 12 new tokens)"),
+    ("dcp_decode.py", ("--steps", "8", "--repeats", "1"), "relative error over 8 steps"),
+])
+def test_the_examples_run_as_two_processes_of_one_device_each(name, args, check):
+  # What the one-GPU rig runs on GPU 0 (--shared-gpu): jax.distributed, one b12x rank per process.
+  proc = run_example(name, "--processes", "2", *args, devices=1, timeout=400.0)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  assert "x cpu in 2 processes" in proc.stdout and check in proc.stdout, proc.stdout
+  assert proc.stdout.rstrip().endswith("OK"), proc.stdout
+
+
 @pytest.mark.parametrize(("name", "args", "message"), [
     ("speculative_decoding.py", ("--kv-heads", "3"), "--kv-heads=3 must be a multiple of --devices=2"),
     ("speculative_decoding.py", ("--draft-layers", "5"), "--draft-layers=5 must be between 1 and --layers=4"),
     ("dcp_decode.py", ("--heads", "5"), "--heads=5 and --kv-len=256 must be multiples of --devices=2"),
+    ("dcp_decode.py", ("--processes", "2", "--devices", "4"), "--devices=4 must equal --processes=2"),
 ])
 def test_examples_name_the_bad_argument(name, args, message):
   proc = run_example(name, *args, timeout=60.0)
