@@ -36,7 +36,10 @@ def _lowering(op: str, target: str, fallback: Callable, fallback_path: str) -> C
   transport is broken and the policy allows, lowers ``fallback`` (the
   ``fallback_path``: psum, or all_to_all for dcp_a2a) instead, and the token
   passes through unchanged."""
-  ffi_rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
+  # No side effect (DESIGN "Call order"): the channel's token already keeps
+  # every call, in order; has_side_effect=True only cost 0.9 us per call on
+  # CUDA (kept out of command buffers).
+  ffi_rule = jax.ffi.ffi_lowering(target, has_side_effect=False)
   fallback_rule = mlir.lower_fun(fallback, multiple_results=True)
   token = _compat.abstract_token()
 
