@@ -47,10 +47,11 @@ def _has_gpu_backend() -> bool:
 
 
 def channel_options(*, capacity_bytes: int, lamport_bytes: int, timeout_s: float, setup_timeout_s: float,
-                    max_blocks: int | None, poison_outputs: bool):
+                    max_blocks: int | None, poison_outputs: bool, loopback: bool = False):
   """The native ChannelOptions every transport is prepared with. max_blocks
   None means "as many as fit"; a channel's first call waits up to
-  setup_timeout_s for its peers."""
+  setup_timeout_s for its peers; ``loopback`` makes a group of one device
+  its own peer (docs/DESIGN.md, "Loopback")."""
   options = _b12x.ChannelOptions()
   options.capacity_bytes = capacity_bytes
   options.lamport_bytes = lamport_bytes
@@ -58,6 +59,7 @@ def channel_options(*, capacity_bytes: int, lamport_bytes: int, timeout_s: float
   options.setup_timeout_s = setup_timeout_s
   options.max_blocks = max_blocks or 0
   options.poison_outputs = poison_outputs
+  options.loopback = loopback
   return options
 
 

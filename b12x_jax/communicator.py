@@ -99,6 +99,12 @@ class Communicator:
       each other's staging; kept to measure against push), or "auto": by
       payload size from the measured crossovers of b12x_jax.tuning (which
       may also pick psum).
+    loopback: for benchmarks and tests only: a mesh axis of one device runs
+      the b12x protocol as a group of one whose peer is itself (its payload
+      goes through channel memory by the same stores, polls, reduction and
+      refill as a peer's: docs/DESIGN.md, "Loopback"), instead of the psum a
+      one-device axis takes otherwise. all_reduce and the fused op; dcp_a2a
+      over one device stays a local merge. No effect on larger axes.
 
   Channel memory is never freed before the process ends, by ``close()``
   and ``release()`` neither (there is no ``__del__``): compiled executables
@@ -108,7 +114,8 @@ class Communicator:
 
   def __init__(self, *, capacity_bytes: int = 8 * MiB, timeout_s: float = 10.0,
                policy: Policy | None = None, max_blocks: int | None = None, lamport_bytes: int = 1 * MiB,
-               poison_outputs: bool = False, setup_timeout_s: float = 60.0, algorithm: Algorithm = "auto"):
+               poison_outputs: bool = False, setup_timeout_s: float = 60.0, algorithm: Algorithm = "auto",
+               loopback: bool = False):
     if not _is_int(capacity_bytes) or capacity_bytes < PACK_BYTES or capacity_bytes % PACK_BYTES:
       raise ValueError(f"Communicator: capacity_bytes must be a positive multiple of 16, got {capacity_bytes!r}")
     for setting, value in (("timeout_s", timeout_s), ("setup_timeout_s", setup_timeout_s)):
@@ -128,6 +135,8 @@ class Communicator:
       raise ValueError(f"Communicator: algorithm must be one of {_ALGORITHMS}, got {algorithm!r}")
     if not _is_int(lamport_bytes) or lamport_bytes < 0 or lamport_bytes % PACK_BYTES:
       raise ValueError(f"Communicator: lamport_bytes must be a non-negative multiple of 16, got {lamport_bytes!r}")
+    if not isinstance(loopback, bool):
+      raise TypeError(f"Communicator: loopback must be True or False, got {loopback!r}")
     self.capacity_bytes = int(capacity_bytes)
     self.lamport_bytes = int(lamport_bytes)
     self.poison_outputs = bool(poison_outputs)
@@ -136,6 +145,7 @@ class Communicator:
     self.policy: Policy = policy
     self.max_blocks = None if max_blocks is None else int(max_blocks)
     self.algorithm: Algorithm = algorithm
+    self.loopback = loopback
     self.decisions: list[Decision] = []  # the last MAX_DECISIONS traced calls, oldest first
     self._lock = threading.RLock()
     # (platform, channel) -> prepared groups, each a tuple of device ordinals in rank order
@@ -213,7 +223,8 @@ class Communicator:
     return _native.channel_options(capacity_bytes=self.capacity_bytes, lamport_bytes=self.lamport_bytes,
                                    timeout_s=self.timeout_s,
                                    setup_timeout_s=self.setup_timeout_s if first_call_s is None else first_call_s,
-                                   max_blocks=self.max_blocks, poison_outputs=self.poison_outputs)
+                                   max_blocks=self.max_blocks, poison_outputs=self.poison_outputs,
+                                   loopback=self.loopback)
 
   def prepare(self, mesh, axis_name: str, channels: Iterable[str] = ("default",)) -> None:
     """Prepares ``channels`` for every device group of ``mesh`` along

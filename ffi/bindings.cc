@@ -140,7 +140,8 @@ NB_MODULE(_b12x, m) {
       .def_rw("timeout_s", &ChannelOptions::timeout_s)
       .def_rw("setup_timeout_s", &ChannelOptions::setup_timeout_s)
       .def_rw("max_blocks", &ChannelOptions::max_blocks)
-      .def_rw("poison_outputs", &ChannelOptions::poison_outputs);
+      .def_rw("poison_outputs", &ChannelOptions::poison_outputs)
+      .def_rw("loopback", &ChannelOptions::loopback);
 
   m.def("shutdown_host_progress", &shutdown_host_progress, nb::arg("seconds"),
         "At exit: waits (bounded) for the host backend's queued calls, then joins its progress thread.");

@@ -149,6 +149,16 @@ struct ChannelView {
   uint64_t first_timeout_ns;     // the bound of a block's waits until it was served (Signal::served)
   int rank;
   int world;
+  int loopback;  // 1: a group of one whose peer is itself (docs/DESIGN.md, "Loopback")
 };
+
+// Whether rank `p` is one this rank exchanges with: every other rank of the
+// group; in a loopback group (one rank) the rank itself, so its payload
+// takes the same way through channel memory that a peer's would.
+B12X_HD bool exchanges_with(const ChannelView& v, int p) { return p < v.world && (p != v.rank || v.loopback != 0); }
+
+// Whether source `q`'s part of a sum is read from this rank's own input
+// rather than from channel memory: this rank's, except under loopback.
+B12X_HD bool from_own_input(const ChannelView& v, int q) { return q == v.rank && v.loopback == 0; }
 
 }  // namespace b12x

@@ -119,6 +119,7 @@ ChannelView base_view(const ChannelOptions& options, int world, int blocks) {
   const size_t window = std::min(options.lamport_bytes, options.capacity_bytes);
   view.lamport_layout = StagingLayout{cell_bytes(window), world, blocks, kLamportBuffers};
   view.world = world;
+  view.loopback = options.loopback && world == 1 ? 1 : 0;
   view.timeout_ns = static_cast<uint64_t>(options.timeout_s * 1e9);
   view.first_timeout_ns = static_cast<uint64_t>(std::max(options.timeout_s, options.setup_timeout_s) * 1e9);
   return view;

@@ -28,10 +28,12 @@ struct ChannelOptions {
   double setup_timeout_s = 60.0;  // bound on the waits of a channel's first call (start-up skew)
   int max_blocks = 0;         // largest CUDA grid; 0: min(kMaxBlocks, SM count)
   bool poison_outputs = false;  // debug: fill outputs with NaN before a kernel writes them
+  bool loopback = false;      // a group of one device runs the protocol with itself (docs/DESIGN.md, "Loopback")
 
   bool operator==(const ChannelOptions& o) const {
     return capacity_bytes == o.capacity_bytes && lamport_bytes == o.lamport_bytes && timeout_s == o.timeout_s &&
-           setup_timeout_s == o.setup_timeout_s && max_blocks == o.max_blocks && poison_outputs == o.poison_outputs;
+           setup_timeout_s == o.setup_timeout_s && max_blocks == o.max_blocks && poison_outputs == o.poison_outputs &&
+           loopback == o.loopback;
   }
 };
 

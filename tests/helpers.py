@@ -69,11 +69,11 @@ ALGORITHM_LAMPORT_BYTES = 4096
 ALGORITHM_SIZES = (16, 1024, 4096, 4096 + 16, 3 * 16 * 1024 + 48)
 
 
-def check_every_protocol(mesh, algorithm: str, seed: int) -> int:
+def check_every_protocol(mesh, algorithm: str, seed: int, **options) -> int:
   """all_reduce on ``mesh`` (axis "x") with ``algorithm`` above the Lamport
   window, for every size of ALGORITHM_SIZES and dtype, twice each on fresh
   inputs, against float64, with poisoned outputs, on a fresh Communicator
-  (closed after). Returns the calls checked."""
+  with ``options`` besides (closed after). Returns the calls checked."""
   import b12x_jax
   from jax.sharding import PartitionSpec as P
 
@@ -81,7 +81,8 @@ def check_every_protocol(mesh, algorithm: str, seed: int) -> int:
   rng = np.random.default_rng(seed)
   fn = jax.jit(jax.shard_map(lambda x: b12x_jax.all_reduce(x, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
   checked = 0
-  with fresh_communicator(poison_outputs=True, algorithm=algorithm, lamport_bytes=ALGORITHM_LAMPORT_BYTES) as comm:
+  with fresh_communicator(poison_outputs=True, algorithm=algorithm, lamport_bytes=ALGORITHM_LAMPORT_BYTES,
+                          **options) as comm:
     with b12x_jax.channel("protocols"):
       for nbytes in ALGORITHM_SIZES:
         for dtype_name, dtype in DTYPES.items():

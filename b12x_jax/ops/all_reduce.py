@@ -69,9 +69,9 @@ def _all_reduce_leaf(x, axis_name, axis_index_groups, channel: str | None) -> ja
   name = resolve_channel(channel, _OP)
   sizes = [axis_size(a, _OP) for a in axes]
   psum = lambda: jax.lax.psum(x, axis_name, axis_index_groups=axis_index_groups)  # noqa: E731
-  if x.size == 0 or all(s == 1 for s in sizes):  # nothing crosses a link; psum's type (invariant over the axis)
-    return psum()
   comm = get_communicator()
+  if x.size == 0 or (all(s == 1 for s in sizes) and not comm.loopback):
+    return psum()  # nothing crosses a link; psum's type (invariant over the axis)
   why_not = _why_psum_only(axes, axis_index_groups)
   if why_not is not None:
     comm.outside_window(_OP, name, *why_not)

@@ -146,7 +146,7 @@ class CudaGroup final : public ChannelGroup {
   }
 
   uint32_t read_calls(int rank) const override {
-    return read_device_calls(ordinals_[rank], views_[rank].signals[rank], rank);
+    return read_device_calls(ordinals_[rank], views_[rank].signals[rank], rank, world());
   }
   bool read_poisoned(int rank) const override {
     return read_device_poisoned(ordinals_[rank], views_[rank].signals[rank]);
@@ -230,11 +230,11 @@ int resolve_max_blocks(const ChannelOptions& options, const std::vector<int>& or
   return max_blocks;
 }
 
-uint32_t read_device_calls(int ordinal, const Signal* signal, int rank) {
+uint32_t read_device_calls(int ordinal, const Signal* signal, int rank, int world) {
   DeviceGuard guard;
   cudaSetDevice(ordinal);
   uint32_t barrier = 0, lamport = 0;
-  cudaMemcpy(&barrier, &signal->counter[0][epoch_peer(rank)], sizeof(barrier), cudaMemcpyDeviceToHost);
+  cudaMemcpy(&barrier, &signal->counter[0][epoch_peer(rank, world)], sizeof(barrier), cudaMemcpyDeviceToHost);
   cudaMemcpy(&lamport, &signal->lamport_calls[0], sizeof(lamport), cudaMemcpyDeviceToHost);
   return barrier + lamport;
 }

@@ -22,7 +22,7 @@ std::string probe_peer_access(const std::vector<int>& ordinals);
 int resolve_max_blocks(const ChannelOptions& options, const std::vector<int>& ordinals);
 
 // Host-side reads of a rank's signal region on device `ordinal` (stats).
-uint32_t read_device_calls(int ordinal, const Signal* signal, int rank);
+uint32_t read_device_calls(int ordinal, const Signal* signal, int rank, int world);
 bool read_device_poisoned(int ordinal, const Signal* signal);
 // Writes the counters of protocol.h start_signal_counters into a rank's
 // signal region on device `ordinal` (ChannelGroup::start_counters).

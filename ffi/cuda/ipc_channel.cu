@@ -98,7 +98,7 @@ class IpcGroup final : public SharedGroup {
   }
 
   uint32_t read_calls(int rank) const override {
-    return read_device_calls(ordinals_[rank], static_cast<const Signal*>(exports_[kSignals]), rank);
+    return read_device_calls(ordinals_[rank], static_cast<const Signal*>(exports_[kSignals]), rank, world());
   }
   bool read_poisoned(int rank) const override {
     return read_device_poisoned(ordinals_[rank], static_cast<const Signal*>(exports_[kSignals]));
