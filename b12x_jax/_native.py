@@ -160,5 +160,15 @@ def start_counters(platform: str, channel: str, calls: int) -> None:
     _b12x.start_counters(platform, channel, calls)
 
 
+def kernel_view(platform: str, channel: str, partition: str, ordinal: int, nbytes: int) -> dict:
+  """What a kernel outside the native layer needs for an all_reduce of
+  ``nbytes`` on device ``ordinal``'s rank of the prepared channel: device
+  addresses (valid for the life of the process, DESIGN C16), the
+  preparation's generation, the layout, the plan, the protocol's constants
+  (ffi/bindings.cc kernel_view)."""
+  with _native_errors(f"reading the kernel view of channel {channel!r} on device {ordinal}"):
+    return dict(_b12x.kernel_view(platform, channel, partition, ordinal, nbytes))
+
+
 def pending_errors() -> list[str]:
   return list(_b12x.pending_errors())

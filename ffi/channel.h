@@ -84,6 +84,11 @@ struct alignas(128) Signal {
   // Non-zero once a wait on this rank timed out: later calls on the channel
   // exit at once (DESIGN C8, the channel is poisoned until released).
   uint32_t poisoned;
+  // Which preparation of the channel this memory serves now, written by the
+  // host (Registry: a fresh number at every preparation, 0 once released).
+  // A kernel whose addresses were baked into an executable checks it
+  // against the one it was lowered for (docs/DESIGN.md, "Lifetime").
+  uint32_t generation;
 };
 static_assert(sizeof(Signal) % 128 == 0, "Signal must keep its 128-byte alignment");
 static_assert(sizeof(Signal::counter) == kMaxBlocks * kMaxRanks * sizeof(uint32_t));
@@ -102,12 +107,14 @@ struct ErrorRecord {
   uint32_t first_call;    // 1: the block's first call, bounded by the setup timeout
   CallTag expected;  // kFailureMismatch: this rank's call
   CallTag seen;      // kFailureMismatch: the call the peer announced
+  uint32_t channel_generation;  // kFailureStale: Signal::generation when it ran (epoch: the one it was lowered for)
 };
 inline constexpr uint32_t kErrorNone = 0;
 inline constexpr uint32_t kErrorWriting = 1;
 inline constexpr uint32_t kErrorComplete = 2;
 inline constexpr uint32_t kFailureTimeout = 0;
 inline constexpr uint32_t kFailureMismatch = 1;
+inline constexpr uint32_t kFailureStale = 2;  // an executable of an earlier preparation ran (Signal::generation)
 
 // Staging layout of one rank: [slot][source rank][block][block_bytes], with
 // two slots for the barrier protocol (protocol.h) and three buffers for the

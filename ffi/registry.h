@@ -106,6 +106,16 @@ class ChannelGroup {
   // every process of the group.
   virtual void start_counters(uint32_t calls) const = 0;
   const ErrorRecord& error_record(int rank) const { return *host_errors_[rank]; }
+  // Writes `generation` into every local rank's Signal::generation (the
+  // Registry's, at preparation and release; docs/DESIGN.md, "Lifetime").
+  // Only while no call of the channel runs. Host memory by default.
+  virtual void write_generation(uint32_t generation) {
+    for (int r = 0; r < world(); ++r) {
+      if (is_local(r)) __atomic_store_n(&views_[r].signals[r]->generation, generation, __ATOMIC_RELEASE);
+    }
+    generation_ = generation;
+  }
+  uint32_t generation() const { return generation_; }
 
  protected:
   std::string channel_;
@@ -115,6 +125,7 @@ class ChannelGroup {
   ChannelOptions options_;
   std::vector<ChannelView> views_;
   std::vector<ErrorRecord*> host_errors_;
+  uint32_t generation_ = 0;
 };
 
 struct RankHandle {
@@ -159,8 +170,14 @@ class Registry {
   // (stats, pending_errors): an installed group is never destroyed, only
   // released (DESIGN C16).
   std::vector<const ChannelGroup*> groups() const;
+  // The released groups: only a stale executable (one lowered before the
+  // release) can still record an error in them (pending_errors reports it).
+  std::vector<const ChannelGroup*> released_groups() const;
 
  private:
+  // A fresh Signal::generation, never 0 (0: released).
+  uint32_t next_generation();
+  uint32_t generation_counter_ = 0;
   RankHandle find_locked(Platform platform, std::string_view channel, std::string_view partition, int ordinal) const;
 
   mutable std::shared_mutex mutex_;

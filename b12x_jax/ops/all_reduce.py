@@ -10,6 +10,7 @@ from jax.interpreters import ad, batching
 from b12x_jax import _compat, tuning
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import get_communicator
+from b12x_jax.ops import _triton_lamport
 from b12x_jax.ops._common import axis_size, collective_primitive
 
 _OP = "all_reduce"
@@ -79,10 +80,14 @@ def _all_reduce_leaf(x, axis_name, axis_index_groups, channel: str | None) -> ja
   (axis,), (size,) = axes, sizes
   nbytes = x.size * x.dtype.itemsize
   algorithm, why, psum_is_faster = _algorithm(comm, nbytes, size)
-  decision = comm.choose_path(_OP, name, nbytes, x.dtype, size, detail=why, prefer_fallback=psum_is_faster)
+  window = min(comm.lamport_bytes, comm.capacity_bytes)
+  kernel = comm.choose_kernel(_OP, _triton_lamport.why_not(_OP, x.dtype, nbytes, window))
+  decision = comm.choose_path(_OP, name, nbytes, x.dtype, size, detail=why, prefer_fallback=psum_is_faster,
+                              kernel=kernel)
   if decision.path == "psum":
     return psum()
-  return all_reduce_p.bind(x, axis_name=axis, channel=name, algorithm=np.int32(_ALGORITHM_CODES[algorithm]))
+  return all_reduce_p.bind(x, axis_name=axis, channel=name, algorithm=np.int32(_ALGORITHM_CODES[algorithm]),
+                           kernel=decision.kernel)
 
 
 def _why_psum_only(axes: tuple, axis_index_groups) -> tuple[str, str] | None:
@@ -121,24 +126,24 @@ def _algorithm(comm, nbytes: int, size: int) -> tuple[str, str, str | None]:
 # -- lowering ---------------------------------------------------------------------
 
 
-def _abstract_eval(x, *, axis_name: str, channel: str, algorithm: int):
-  del channel, algorithm
+def _abstract_eval(x, *, axis_name: str, channel: str, algorithm: int, kernel: str):
+  del channel, algorithm, kernel
   return _compat.drop_varying_axis(x, axis_name)
 
 
-def _psum_path(x, *, axis_name: str, algorithm: int = 0):
-  del algorithm
+def _psum_path(x, *, axis_name: str, algorithm: int = 0, kernel: str = "ffi"):
+  del algorithm, kernel
   return [jax.lax.psum(x, axis_name)]
 
 
 # -- differentiation and batching ---------------------------------------------
 
 
-def _transpose(ct, x, *, axis_name: str, channel: str, algorithm: int):
+def _transpose(ct, x, *, axis_name: str, channel: str, algorithm: int, kernel: str):
   """psum's rule (jax.lax.psum): where types track varying axes the sum's
   cotangent reaches each rank as is, else it is summed again, on the same
   channel."""
-  del algorithm
+  del algorithm, kernel
   if type(ct) is ad.Zero:
     return (ad.Zero(x.aval),)
   if axis_name in _compat.varying_axes(x.aval):
@@ -146,10 +151,10 @@ def _transpose(ct, x, *, axis_name: str, channel: str, algorithm: int):
   return (all_reduce(ct, axis_name, channel=channel),)
 
 
-def _batch(args, dims, *, axis_name: str, channel: str, algorithm: int):
+def _batch(args, dims, *, axis_name: str, channel: str, algorithm: int, kernel: str):
   """A batched all_reduce is one all_reduce of the stacked payload, its path
-  chosen again for that size."""
-  del algorithm
+  (and kernel) chosen again for that size."""
+  del algorithm, kernel
   (x,), (dim,) = args, dims
   return all_reduce(x, axis_name, channel=channel), dim
 

@@ -154,6 +154,10 @@ class CudaGroup final : public ChannelGroup {
   void start_counters(uint32_t calls) const override {
     for (int r = 0; r < world(); ++r) start_device_counters(ordinals_[r], views_[r].signals[r], calls);
   }
+  void write_generation(uint32_t generation) override {
+    for (int r = 0; r < world(); ++r) write_device_generation(ordinals_[r], views_[r].signals[r], generation);
+    generation_ = generation;
+  }
 
  private:
   // cudaMalloc + cudaMemset on rank `rank`'s device (current), owned by the group.
@@ -247,6 +251,13 @@ void start_device_counters(int ordinal, Signal* signal, uint32_t calls) {
   B12X_CUDA_CHECK(cudaMemcpy(&host, signal, sizeof(Signal), cudaMemcpyDeviceToHost));
   start_signal_counters(host, calls);
   B12X_CUDA_CHECK(cudaMemcpy(signal, &host, sizeof(Signal), cudaMemcpyHostToDevice));
+}
+
+void write_device_generation(int ordinal, Signal* signal, uint32_t generation) {
+  DeviceGuard guard;
+  B12X_CUDA_CHECK(cudaSetDevice(ordinal));
+  B12X_CUDA_CHECK(cudaDeviceSynchronize());  // no call of this channel may be running
+  B12X_CUDA_CHECK(cudaMemcpy(&signal->generation, &generation, sizeof(generation), cudaMemcpyHostToDevice));
 }
 
 bool read_device_poisoned(int ordinal, const Signal* signal) {
