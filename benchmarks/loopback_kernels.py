@@ -29,6 +29,10 @@ import b12x_jax
 SIZES = [1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20]
 
 
+def put(mesh, x):
+  return jax.device_put(jnp.asarray(x), jax.sharding.NamedSharding(mesh, P("x")))
+
+
 def chained(mesh, ops: int):
   def body(x):
     for _ in range(ops):
@@ -48,7 +52,7 @@ def check(mesh, comm, kernels: str, rng) -> None:
       for _ in range(3):
         x = rng.standard_normal(size // 4).astype(np.float32)
         before = comm.stats(f"check-{kernels}", device)["epoch"]
-        got = np.asarray(one(jnp.asarray(x)))
+        got = np.asarray(one(put(mesh, x)))
         assert got.view(np.uint32).tolist() == x.view(np.uint32).tolist(), (kernels, size)
         assert comm.decisions[-1].kernel == kernels, comm.decisions[-1]
         assert comm.stats(f"check-{kernels}", device)["epoch"] == before + 1, (kernels, size)
@@ -67,7 +71,7 @@ def interleave(mesh, comm, rng) -> None:
     for _ in range(3):
       x = rng.standard_normal(4096).astype(np.float32)
       y = rng.standard_normal(4096).astype(np.float32).astype(jnp.bfloat16)
-      gx, gy = fn(jnp.asarray(x), jnp.asarray(y))
+      gx, gy = fn(put(mesh, x), put(mesh, y))
       assert np.array_equal(np.asarray(gx).view(np.uint32), x.view(np.uint32))
       assert np.array_equal(np.asarray(gy).view(np.uint16), np.asarray(y).view(np.uint16))
     kinds = {d.kernel for d in comm.decisions[-16:]}
@@ -94,7 +98,7 @@ def main() -> None:
     fn = chained(mesh, args.ops)
     with b12x_jax.channel(f"time-{kernels}"):
       for size in SIZES:
-        x = jnp.asarray(rng.standard_normal(size // 4).astype(np.float32))
+        x = put(mesh, rng.standard_normal(size // 4).astype(np.float32))
         times[size][kernels] = per_op_us(lambda: fn(x), args.ops, args.iters)
     comm.check_errors()
     comm.close()

@@ -148,7 +148,8 @@ def _record_asm(error_offsets: dict, poisoned_offset: int, complete: int) -> str
   """Claims the channel's poison word and, for the one claimant, fills the
   error record, as protocol.h record_failure: $1,$2 own signal, $3,$4 error
   record, $5 the predicate, $6.. kind, rank, peer, epoch, peer_gave_up,
-  first_call, expected[4], seen[4], channel_generation; $21 the dependency."""
+  first_call, expected[4], seen[4], channel_generation; $21 the dependency.
+  Returns 0."""
   e = error_offsets
   fields = [("kind", 6), ("rank", 7), ("peer", 8), ("epoch", 9), ("peer_gave_up", 10), ("first_call", 11)]
   stores = [f"@won st.volatile.global.u32 [e+{e[name]}], ${k};" for name, k in fields]
@@ -161,7 +162,7 @@ def _record_asm(error_offsets: dict, poisoned_offset: int, complete: int) -> str
           f"@p atom.global.cas.b32 old, [s+{poisoned_offset}], 0, 1; "
           "setp.eq.and.u32 won, old, 0, p; " + " ".join(stores) +
           f" @won fence.acq_rel.sys; @won st.release.sys.global.u32 [e+{e['state']}], {complete}; "
-          "mov.u32 $0, old; }")
+          "mov.u32 $0, 0; }")  # 0, as every store's result: it joins `sink`
 
 
 def _kernel(plan: Plan, table_ref, x_ref, y_ref):
@@ -235,7 +236,7 @@ def _kernel(plan: Plan, table_ref, x_ref, y_ref):
   wire = jnp.where(x_words == empty, jnp.full((W,), plan.nan_word, _U32), x_words)
 
   # 1. Push the payload and the header into this rank's cell of every peer's buffer B(k).
-  sink = generation
+  sink = zero  # ORs every store's result (0): what keeps them, in order (the module docstring)
   for p in range(plan.world):
     enabled = jnp.logical_and(exchanges_with(p), go)
     peer = address(_PEER_LAMPORT + 2 * p)
