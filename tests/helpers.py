@@ -245,3 +245,15 @@ def integer_shards(rng: np.random.Generator, calls: int, n: int, elems: int) -> 
   """[calls, n, elems] random integers as float32 (never all zero): every
   float32 sum of them is exact, so a result is right or visibly wrong."""
   return rng.integers(-1000, 1000, size=(calls, n, elems)).astype(np.float32)
+
+
+def lower_for_cuda(fn, args, monkeypatch) -> str:
+  """The StableHLO text of jitted ``fn`` on ``args`` lowered for CUDA on
+  this CPU-only host. Pallas Triton asks the local GPU for its compute
+  capability while lowering; here it is told an H200's (a private module
+  of jax 0.11 and 0.12: jax._src.pallas.triton.pallas_call_registration)."""
+  from jax._src.pallas.triton import pallas_call_registration
+  from jax.experimental.pallas import triton as plt
+  monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                      lambda: plt.get_gpu_info_from_version(plt.GpuVersion.H200))
+  return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
