@@ -37,6 +37,8 @@ _U32 = jnp.int32
 ROW_WORDS = 64
 _RANK, _OWN_SIGNAL, _ERROR, _OWN_LAMPORT, _GENERATION = 0, 1, 3, 5, 7
 _PEER_LAMPORT, _PEER_SIGNAL = 8, 24  # + 2 * peer: (low, high) words
+# The largest block one program takes (it holds every source's words of it).
+MAX_TILE_WORDS = 8192
 # The kernel's clock: globaltimer >> 10, about microseconds, in 32 bits
 # (wraps after 73 minutes; waits are bounded below half of that).
 _CLOCK_SHIFT = 10
@@ -100,6 +102,9 @@ def plan_problem(view: dict) -> str | None:
   if view["grid"] * view["per_block"] != view["packs"] or words & (words - 1):
     return (f"its {view['packs']} packs do not split into {view['grid']} blocks of a power-of-two words "
             "(the Triton kernel's tiles)")
+  if words > MAX_TILE_WORDS:
+    return (f"its {view['grid']} blocks of {words} words exceed the Triton kernel's tiles of {MAX_TILE_WORDS} "
+            "(raise max_blocks)")
   return None
 
 
