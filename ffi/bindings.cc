@@ -308,9 +308,11 @@ NB_MODULE(_b12x, m) {
         if (!message.empty()) out.push_back(std::move(message));
       }
     }
-    for (const ChannelGroup* group : Registry::get().released_groups()) {  // a stale executable's record
+    // A released group's record counts only where an executable lowered
+    // before the release ran on it (its earlier failures were released).
+    for (const ChannelGroup* group : Registry::get().released_groups()) {
       for (int r = 0; r < group->world(); ++r) {
-        if (!group->is_local(r)) continue;
+        if (!group->is_local(r) || group->error_record(r).kind != kFailureStale) continue;
         std::string message = pending_error(*group, r);
         if (!message.empty()) out.push_back(std::move(message));
       }
