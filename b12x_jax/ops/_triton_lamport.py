@@ -43,6 +43,10 @@ MAX_TILE_WORDS = 8192
 # (wraps after 73 minutes; waits are bounded below half of that).
 _CLOCK_SHIFT = 10
 _MAX_WAIT_UNITS = (1 << 31) - 1
+# A second bound, on polls, in case the clock does not advance: a poll is
+# at least one load from memory (over 64 ns), so a wait stops after at most
+# this many times its bound, never before it.
+_SPINS_PER_UNIT = 16
 
 # One 32-bit word at (lo, hi) + off; $4, the dependency, is not read.
 _LOAD = ("{ .reg .b64 a; .reg .b64 o; mov.b64 a, {$1, $2}; cvt.u64.u32 o, $3; add.u64 a, a, o; "
@@ -254,6 +258,7 @@ def _kernel(plan: Plan, table_ref, x_ref, y_ref):
   first_call_flag = jnp.max((served == zero).astype(jnp.int32))  # 1 until the block met its peers once
   first_call = first_call_flag > 0
   bound = plan.timeout_units + first_call_flag * (plan.first_timeout_units - plan.timeout_units)
+  spin_bound = jnp.minimum(bound, _MAX_WAIT_UNITS // _SPINS_PER_UNIT) * _SPINS_PER_UNIT
   sources = list(range(plan.world))
 
   def poll(it):
@@ -281,7 +286,7 @@ def _kernel(plan: Plan, table_ref, x_ref, y_ref):
     waiting = functools.reduce(jnp.logical_or, pending)
     now = clock(jnp.broadcast_to(it, (W,)) | cells[0])
     elapsed = now - start
-    late = elapsed > bound
+    late = jnp.logical_or(elapsed > bound, it > spin_bound)
     # A pending peer that poisoned the channel gave up: stop now (after the grace).
     look = jnp.logical_and(waiting, elapsed > plan.grace_units)
     gave = [jnp.logical_and(pending[q], any_(asm(_LOAD_IF, *address(_PEER_SIGNAL + 2 * q), sig_off["poisoned"],
