@@ -81,7 +81,8 @@ def interleave(mesh, comm, rng) -> None:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   add_timing_arguments(parser, devices=False)
   parser.set_defaults(ops=256, iters=30)
   args = parser.parse_args()
