@@ -214,13 +214,15 @@ def _kernel(plan: Plan, table_ref, x_ref, y_ref):
   zero = jnp.zeros((W,), _U32)
 
   # The block's Signal words, as its previous call left them (lamport.h lamport_begin).
-  word = lambda name, dep, index=True: load(own_signal, sig_off[name] + (4 * block if index else 0), dep)  # noqa: E731
+  def word(name: str, dep, per_block: bool = True):
+    return load(own_signal, sig_off[name] + (4 * block if per_block else 0), dep)
+
   buffer = word("lamport_buffer", zero)
   calls = word("lamport_calls", buffer)
   previous_packs = word("lamport_packs", calls)
   served = word("served", previous_packs)
-  poisoned = word("poisoned", served, index=False)
-  generation = word("generation", poisoned, index=False)
+  poisoned = word("poisoned", served, per_block=False)
+  generation = word("generation", poisoned, per_block=False)
   previous = jnp.where(buffer == zero, jnp.full((W,), 2, _U32), buffer - 1)  # B(k - 1), cycling 0, 1, 2
   start = clock(generation)
   lowered_for = jnp.full((W,), table[_GENERATION], _U32)

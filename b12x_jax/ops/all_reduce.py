@@ -51,8 +51,11 @@ def all_reduce(x, axis_name, *, axis_index_groups=None, channel: str | None = No
   ``vmap`` axis name) is psum under policy "auto" or an IneligibleError
   under "strict". Under "auto", psum also where the measured crossovers say
   it is faster. Above the Lamport window the kernel is one-shot or two-shot
-  by the communicator's ``algorithm`` (b12x_jax.tuning when "auto"). The
-  choice and the reason are recorded in ``get_communicator().decisions``.
+  by the communicator's ``algorithm`` (b12x_jax.tuning when "auto"). Inside
+  it, ``Communicator(kernels=...)`` picks the FFI kernel or the Pallas Triton
+  kernel of the same protocol (float32 on CUDA; docs/DESIGN.md "Triton
+  kernels"). The choice and the reason are recorded in
+  ``get_communicator().decisions``.
 
   Differentiation follows psum: the tangent is an all_reduce on the same
   channel; the cotangent is the cotangent itself where shard_map tracks
