@@ -314,7 +314,9 @@ def _kernel(plan: Plan, table_ref, x_ref, y_ref):
           for k in range(4)]
 
   # 4. A failure is recorded once per channel (the poison word's claim).
-  kind = jnp.where(stale, plan.failure_stale, jnp.where(mismatch, plan.failure_mismatch, plan.failure_timeout))
+  # int32 constants, not Python ints: jnp.where(b, 1, 0) lowers to a 1-bit value in Pallas Triton.
+  kinds = [jnp.int32(k) for k in (plan.failure_stale, plan.failure_mismatch, plan.failure_timeout)]
+  kind = jnp.where(stale, kinds[0], jnp.where(mismatch, kinds[1], kinds[2]))
   record = jnp.logical_or(stale, jnp.logical_or(timed_out, mismatch))
   peer = jnp.where(stale, -1, jnp.where(mismatch, mismatch_peer, failed_peer))
   epoch = jnp.where(stale, lowered_for, calls + 1)
