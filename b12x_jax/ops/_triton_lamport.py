@@ -217,14 +217,16 @@ def _kernel(plan: Plan, table_ref, x_ref, y_ref):
   def word(name: str, dep, per_block: bool = True):
     return load(own_signal, sig_off[name] + (4 * block if per_block else 0), dep)
 
+  # Independent loads (no dependency between them: issued together, not one
+  # round trip after the other); their addresses differ, so none is merged.
   buffer = word("lamport_buffer", zero)
-  calls = word("lamport_calls", buffer)
-  previous_packs = word("lamport_packs", calls)
-  served = word("served", previous_packs)
-  poisoned = word("poisoned", served, per_block=False)
-  generation = word("generation", poisoned, per_block=False)
+  calls = word("lamport_calls", zero)
+  previous_packs = word("lamport_packs", zero)
+  served = word("served", zero)
+  poisoned = word("poisoned", zero, per_block=False)
+  generation = word("generation", zero, per_block=False)
   previous = jnp.where(buffer == zero, jnp.full((W,), 2, _U32), buffer - 1)  # B(k - 1), cycling 0, 1, 2
-  start = clock(generation)
+  start = clock(buffer | calls | previous_packs | served | poisoned | generation)  # after every read
   lowered_for = jnp.full((W,), table[_GENERATION], _U32)
   stale = any_(generation != lowered_for)
   go = jnp.logical_and(jnp.logical_not(any_(poisoned != zero)), jnp.logical_not(stale))
