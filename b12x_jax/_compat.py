@@ -28,6 +28,16 @@ def drop_varying_axis(aval, axis_name: str):
   return aval.update(manual_axis_type=mat.update(varying=frozenset(a for a in mat.varying if a != axis_name)))
 
 
+def shape_dtype_like(x):
+  """A ``jax.ShapeDtypeStruct`` of traced ``x``'s shape, dtype and manual
+  axis type (what ``pallas_call`` under shard_map with check_vma needs for
+  an output that varies as ``x`` does). jax 0.11 and 0.12 keep it in
+  ``aval.mat``."""
+  import jax
+  aval = jax.typeof(x)
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, manual_axis_type=getattr(aval, "mat", None))
+
+
 def varying_axes(aval) -> frozenset:
   """The manual mesh axes ``aval`` varies over (the field of
   ``drop_varying_axis``); empty for avals without it."""
@@ -71,6 +81,21 @@ def axis_device_groups(ctx, axis_name: str) -> list[tuple]:
   devices = np.asarray(devices, dtype=object)
   along = np.moveaxis(devices, names.index(axis_name), -1)
   return [tuple(row) for row in along.reshape(-1, along.shape[-1])]
+
+
+def mesh_devices(ctx) -> tuple[tuple[str, ...], np.ndarray, frozenset]:
+  """(axis names, devices in mesh order, the manual axes) of the shard_map
+  mesh of a lowering context: what ``axis_device_groups`` reads, for a
+  lowering that picks a per-device constant by the device's mesh position
+  (``jax.lax.axis_index`` over every axis, row-major). Checked on jax
+  0.11.2 and 0.12.0.1."""
+  axis_context = ctx.module_context.axis_context
+  mesh = axis_context.mesh
+  names = tuple(mesh.axis_names)
+  devices = getattr(mesh, "devices", None)
+  if devices is None:
+    devices = np.array(ctx.module_context.device_assignment, dtype=object).reshape(tuple(mesh.axis_sizes))
+  return names, np.asarray(devices, dtype=object), frozenset(getattr(axis_context, "manual_axes", names))
 
 
 def device_ordinal(device) -> int:

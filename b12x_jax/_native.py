@@ -47,10 +47,11 @@ def _has_gpu_backend() -> bool:
 
 
 def channel_options(*, capacity_bytes: int, lamport_bytes: int, timeout_s: float, setup_timeout_s: float,
-                    max_blocks: int | None, poison_outputs: bool):
+                    max_blocks: int | None, poison_outputs: bool, loopback: bool = False):
   """The native ChannelOptions every transport is prepared with. max_blocks
   None means "as many as fit"; a channel's first call waits up to
-  setup_timeout_s for its peers."""
+  setup_timeout_s for its peers; ``loopback`` makes a group of one device
+  its own peer (docs/DESIGN.md, "Loopback")."""
   options = _b12x.ChannelOptions()
   options.capacity_bytes = capacity_bytes
   options.lamport_bytes = lamport_bytes
@@ -58,6 +59,7 @@ def channel_options(*, capacity_bytes: int, lamport_bytes: int, timeout_s: float
   options.setup_timeout_s = setup_timeout_s
   options.max_blocks = max_blocks or 0
   options.poison_outputs = poison_outputs
+  options.loopback = loopback
   return options
 
 
@@ -156,6 +158,16 @@ def start_counters(platform: str, channel: str, calls: int) -> None:
   Lamport call count and buffer)."""
   with _native_errors(f"starting the counters of channel {channel!r} at {calls}"):
     _b12x.start_counters(platform, channel, calls)
+
+
+def kernel_view(platform: str, channel: str, partition: str, ordinal: int, nbytes: int) -> dict:
+  """What a kernel outside the native layer needs for an all_reduce of
+  ``nbytes`` on device ``ordinal``'s rank of the prepared channel: device
+  addresses (valid for the life of the process, DESIGN C16), the
+  preparation's generation, the layout, the plan, the protocol's constants
+  (ffi/bindings.cc kernel_view)."""
+  with _native_errors(f"reading the kernel view of channel {channel!r} on device {ordinal}"):
+    return dict(_b12x.kernel_view(platform, channel, partition, ordinal, nbytes))
 
 
 def pending_errors() -> list[str]:

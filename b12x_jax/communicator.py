@@ -38,6 +38,8 @@ from b12x_jax.errors import B12xError, ChannelError, CollectiveTimeoutError, Ine
 MiB = 1 << 20
 Policy = Literal["auto", "strict", "psum"]
 Algorithm = Literal["auto", "one_shot", "two_shot", "one_shot_pull"]
+Kernels = Literal["auto", "ffi", "triton"]
+_KERNELS = ("auto", "ffi", "triton")
 _ALGORITHMS = ("auto", "one_shot", "two_shot", "one_shot_pull")
 _POLICIES = ("auto", "strict", "psum")
 # Read by Communicator(policy=None): the operator's switch to the psum path.
@@ -66,6 +68,10 @@ class Decision:
   channel: str
   path: Literal["b12x", "psum", "all_to_all", "unfused"]
   reason: str
+  # Which kernel kind a b12x call got ("ffi" or "triton"; None off b12x).
+  # A call bound to the Triton kernel that its lowering cannot run gets a
+  # second decision, kernel "ffi", saying why.
+  kernel: Literal["ffi", "triton"] | None = None
 
 
 class Communicator:
@@ -99,6 +105,23 @@ class Communicator:
       each other's staging; kept to measure against push), or "auto": by
       payload size from the measured crossovers of b12x_jax.tuning (which
       may also pick psum).
+    kernels: which kernel kind runs a b12x call: "ffi" (the default: the
+      native kernels, every op and size), "triton" (the Pallas Triton kernel
+      of the same wire protocol, which XLA launches itself: all_reduce of
+      float32 in the Lamport window, on CUDA; docs/DESIGN.md "Triton
+      kernels"), or "auto" (triton where such a kernel exists for the call
+      and the default backend is CUDA, else ffi). Both kinds interleave on
+      one channel. Where "triton" cannot run a call (another op, dtype or
+      size, a CPU lowering: Pallas Triton has no CPU path) the call takes the
+      ffi kernel and the decision says why, under policies "auto" and
+      "psum"; under "strict" that is an IneligibleError, as asked-for
+      behaviour that cannot be had. Processes may differ in this setting.
+    loopback: for benchmarks and tests only: a mesh axis of one device runs
+      the b12x protocol as a group of one whose peer is itself (its payload
+      goes through channel memory by the same stores, polls, reduction and
+      refill as a peer's: docs/DESIGN.md, "Loopback"), instead of the psum a
+      one-device axis takes otherwise. all_reduce and the fused op; dcp_a2a
+      over one device stays a local merge. No effect on larger axes.
 
   Channel memory is never freed before the process ends, by ``close()``
   and ``release()`` neither (there is no ``__del__``): compiled executables
@@ -108,7 +131,8 @@ class Communicator:
 
   def __init__(self, *, capacity_bytes: int = 8 * MiB, timeout_s: float = 10.0,
                policy: Policy | None = None, max_blocks: int | None = None, lamport_bytes: int = 1 * MiB,
-               poison_outputs: bool = False, setup_timeout_s: float = 60.0, algorithm: Algorithm = "auto"):
+               poison_outputs: bool = False, setup_timeout_s: float = 60.0, algorithm: Algorithm = "auto",
+               loopback: bool = False, kernels: Kernels = "ffi"):
     if not _is_int(capacity_bytes) or capacity_bytes < PACK_BYTES or capacity_bytes % PACK_BYTES:
       raise ValueError(f"Communicator: capacity_bytes must be a positive multiple of 16, got {capacity_bytes!r}")
     for setting, value in (("timeout_s", timeout_s), ("setup_timeout_s", setup_timeout_s)):
@@ -128,6 +152,10 @@ class Communicator:
       raise ValueError(f"Communicator: algorithm must be one of {_ALGORITHMS}, got {algorithm!r}")
     if not _is_int(lamport_bytes) or lamport_bytes < 0 or lamport_bytes % PACK_BYTES:
       raise ValueError(f"Communicator: lamport_bytes must be a non-negative multiple of 16, got {lamport_bytes!r}")
+    if kernels not in _KERNELS:
+      raise ValueError(f"Communicator: kernels must be one of {_KERNELS}, got {kernels!r}")
+    if not isinstance(loopback, bool):
+      raise TypeError(f"Communicator: loopback must be True or False, got {loopback!r}")
     self.capacity_bytes = int(capacity_bytes)
     self.lamport_bytes = int(lamport_bytes)
     self.poison_outputs = bool(poison_outputs)
@@ -136,6 +164,8 @@ class Communicator:
     self.policy: Policy = policy
     self.max_blocks = None if max_blocks is None else int(max_blocks)
     self.algorithm: Algorithm = algorithm
+    self.loopback = loopback
+    self.kernels: Kernels = kernels
     self.decisions: list[Decision] = []  # the last MAX_DECISIONS traced calls, oldest first
     self._lock = threading.RLock()
     # (platform, channel) -> prepared groups, each a tuple of device ordinals in rank order
@@ -153,7 +183,8 @@ class Communicator:
 
   def choose_path(self, op: str, channel: str, nbytes: int, dtype, axis_size: int, *, unit: str = "payload",
                   arg: str = "x", staged_bytes: int | None = None, fallback: str = "psum",
-                  shrink: str | None = None, detail: str = "", prefer_fallback: str | None = None) -> Decision:
+                  shrink: str | None = None, detail: str = "", prefer_fallback: str | None = None,
+                  kernel: tuple[str, str] = ("ffi", "")) -> Decision:
     """Decides, at trace time, whether a call over ``axis_size`` ranks runs
     on b12x or on its ``fallback`` path; raises under policy "strict" where
     b12x cannot run it, naming the op, the argument ``arg`` and the fix.
@@ -165,7 +196,9 @@ class Communicator:
     which must fit ``capacity_bytes``; ``shrink`` says how to stage less
     (default: a smaller ``arg``). ``prefer_fallback``, a reason, takes the
     fallback inside the window too under policy "auto" (a measured crossover
-    says it is faster); ``detail`` is added to the reason of a b12x path."""
+    says it is faster); ``detail`` is added to the reason of a b12x path,
+    and so is ``kernel`` (choose_kernel's kind and why), whose kind the
+    decision records."""
     name = np.dtype(dtype).name
     staged = nbytes if staged_bytes is None else staged_bytes
     if self.policy == "psum":
@@ -185,8 +218,40 @@ class Communicator:
     elif prefer_fallback is not None and self.policy == "auto":
       return self.record(Decision(op, channel, fallback, prefer_fallback))
     else:
-      return self.record(Decision(op, channel, "b12x", "inside the b12x window" + (f"; {detail}" if detail else "")))
+      kind, why = kernel
+      reason = "inside the b12x window" + "".join(f"; {part}" for part in (detail, why) if part)
+      return self.record(Decision(op, channel, "b12x", reason, kernel=kind))
     return self.outside_window(op, channel, reason, fix, fallback)
+
+  def choose_kernel(self, op: str, why_no_triton: str | None) -> tuple[str, str]:
+    """The kernel kind of a b12x call by ``kernels``, and why: "triton"
+    where asked for (or, under "auto", where the default backend is CUDA)
+    and ``why_no_triton`` is None (a Triton kernel exists for the call),
+    else "ffi". Under policy "strict", kernels="triton" for a call without
+    a Triton kernel raises IneligibleError."""
+    if self.kernels == "ffi":
+      return "ffi", ""
+    if why_no_triton is not None:
+      if self.kernels == "triton":
+        self._strict_kernel(op, why_no_triton)
+      return "ffi", f"the ffi kernel: {why_no_triton}"
+    if self.kernels == "auto" and jax.default_backend() != "gpu":
+      return "ffi", f"the ffi kernel: kernels='auto' and the default backend is {jax.default_backend()}"
+    return "triton", f"the Triton kernel (kernels={self.kernels!r})"
+
+  def kernel_fallback(self, op: str, channel: str, reason: str) -> None:
+    """A call bound to the Triton kernel whose lowering cannot run it
+    (``reason``): the ffi kernel takes it, recorded; under policy "strict"
+    with kernels="triton", an IneligibleError. Returns None (no Triton
+    lowering)."""
+    if self.kernels == "triton":
+      self._strict_kernel(op, reason)
+    self.record(Decision(op, channel, "b12x", f"the ffi kernel: {reason}", kernel="ffi"))
+
+  def _strict_kernel(self, op: str, reason: str) -> None:
+    if self.policy == "strict":
+      raise IneligibleError(f"b12x_jax.{op}: kernels='triton' but {reason} (policy 'strict'). Use "
+                            "Communicator(kernels='auto') to let the ffi kernel take such calls")
 
   def outside_window(self, op: str, channel: str, reason: str, fix: str, fallback: str = "psum") -> Decision:
     """A call b12x cannot run (``reason``): its ``fallback`` path, recorded,
@@ -213,7 +278,8 @@ class Communicator:
     return _native.channel_options(capacity_bytes=self.capacity_bytes, lamport_bytes=self.lamport_bytes,
                                    timeout_s=self.timeout_s,
                                    setup_timeout_s=self.setup_timeout_s if first_call_s is None else first_call_s,
-                                   max_blocks=self.max_blocks, poison_outputs=self.poison_outputs)
+                                   max_blocks=self.max_blocks, poison_outputs=self.poison_outputs,
+                                   loopback=self.loopback)
 
   def prepare(self, mesh, axis_name: str, channels: Iterable[str] = ("default",)) -> None:
     """Prepares ``channels`` for every device group of ``mesh`` along

@@ -145,7 +145,7 @@ B12X_HD void one_shot_stage(const AllReduceBlock& b, ForEach each) {
     } else {
       B12X_UNROLL
       for (int p = 0; p < kMaxRanks; ++p) {
-        if (p < b.v.world && p != b.v.rank) b.cell(p, slot, b.v.rank)[i] = x;
+        if (exchanges_with(b.v, p)) b.cell(p, slot, b.v.rank)[i] = x;
       }
     }
   });
@@ -160,7 +160,9 @@ B12X_HD void one_shot_reduce(const AllReduceBlock& b, ForEach each) {
   const Pack* sources[kMaxRanks];
   B12X_UNROLL
   for (int q = 0; q < kMaxRanks; ++q) {
-    sources[q] = q == b.v.rank ? b.in + s.lo : q < b.v.world ? b.cell(kPull ? q : b.v.rank, slot, q) : nullptr;
+    sources[q] = from_own_input(b.v, q) ? b.in + s.lo
+                 : q < b.v.world       ? b.cell(kPull ? q : b.v.rank, slot, q)
+                                       : nullptr;
   }
   each(s.n, [&](size_t i) { b.out[s.lo + i] = reduce_at<Mem, D>(sources, b.v.world, i); });
 }
@@ -177,7 +179,7 @@ B12X_HD void one_shot_reduce(const AllReduceBlock& b, ForEach each) {
 template <class ForEach>
 B12X_HD void two_shot_scatter(const AllReduceBlock& b, ForEach each) {
   for (int p = 0; p < b.v.world; ++p) {
-    if (p == b.v.rank) continue;
+    if (!exchanges_with(b.v, p)) continue;
     const Slice s = b.shard_slice(p);
     Pack* dst = b.cell(p, b.epoch & 1, b.v.rank);
     each(s.n, [&](size_t i) { dst[i] = b.in[s.lo + i]; });
@@ -190,7 +192,7 @@ B12X_HD void two_shot_reduce(const AllReduceBlock& b, ForEach each) {
   const Pack* sources[kMaxRanks];
   B12X_UNROLL
   for (int q = 0; q < kMaxRanks; ++q) {
-    sources[q] = q == b.v.rank ? b.in + mine.lo : q < b.v.world ? b.cell(b.v.rank, b.epoch & 1, q) : nullptr;
+    sources[q] = from_own_input(b.v, q) ? b.in + mine.lo : q < b.v.world ? b.cell(b.v.rank, b.epoch & 1, q) : nullptr;
   }
   const int gather_slot = (b.epoch + 1u) & 1;
   each(mine.n, [&](size_t i) {
@@ -198,7 +200,7 @@ B12X_HD void two_shot_reduce(const AllReduceBlock& b, ForEach each) {
     b.out[mine.lo + i] = sum;
     B12X_UNROLL
     for (int p = 0; p < kMaxRanks; ++p) {
-      if (p < b.v.world && p != b.v.rank) b.cell(p, gather_slot, b.v.rank)[i] = sum;
+      if (exchanges_with(b.v, p)) b.cell(p, gather_slot, b.v.rank)[i] = sum;
     }
   });
 }
@@ -206,7 +208,7 @@ B12X_HD void two_shot_reduce(const AllReduceBlock& b, ForEach each) {
 template <class Mem, class ForEach>
 B12X_HD void two_shot_gather(const AllReduceBlock& b, ForEach each) {
   for (int q = 0; q < b.v.world; ++q) {
-    if (q == b.v.rank) continue;
+    if (!exchanges_with(b.v, q)) continue;
     const Slice s = b.shard_slice(q);
     const Pack* src = b.cell(b.v.rank, (b.epoch + 1u) & 1, q);
     each(s.n, [&](size_t i) { b.out[s.lo + i] = Mem::load_staged(src + i); });

@@ -5,10 +5,14 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstddef>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "all_reduce.h"
+#include "lamport.h"
 #include "cpu/host_channel.h"
 #include "cpu/progress.h"
 #include "cpu/shm_channel.h"
@@ -140,7 +144,8 @@ NB_MODULE(_b12x, m) {
       .def_rw("timeout_s", &ChannelOptions::timeout_s)
       .def_rw("setup_timeout_s", &ChannelOptions::setup_timeout_s)
       .def_rw("max_blocks", &ChannelOptions::max_blocks)
-      .def_rw("poison_outputs", &ChannelOptions::poison_outputs);
+      .def_rw("poison_outputs", &ChannelOptions::poison_outputs)
+      .def_rw("loopback", &ChannelOptions::loopback);
 
   m.def("shutdown_host_progress", &shutdown_host_progress, nb::arg("seconds"),
         "At exit: waits (bounded) for the host backend's queued calls, then joins its progress thread.");
@@ -230,11 +235,84 @@ NB_MODULE(_b12x, m) {
      "Test hook (docs/DESIGN.md, Wrap): every group of the channel on the platform starts as if `calls` calls "
      "had run. Only right after preparation, before any call on the channel, on every process of the group.");
 
+  m.def("kernel_view", [](const std::string& platform, const std::string& channel, const std::string& partition,
+                          int ordinal, size_t bytes) {
+    const RankHandle h = Registry::get().find(parse_platform(platform), channel, partition, ordinal);
+    if (!h) throw std::invalid_argument(unprepared_message("all_reduce", channel, ordinal));
+    const ChannelView& v = h.view();
+    const auto address = [](const void* p) { return reinterpret_cast<uintptr_t>(p); };
+    nb::list signals, lamport;
+    for (int r = 0; r < v.world; ++r) {
+      signals.append(address(v.signals[r]));
+      lamport.append(address(v.lamport[r]));
+    }
+    const Plan plan = plan_for(bytes, v.world, Algorithm::kOneShot, v);
+    nb::dict signal_offsets, error_offsets;
+    signal_offsets["lamport_calls"] = offsetof(Signal, lamport_calls);
+    signal_offsets["lamport_buffer"] = offsetof(Signal, lamport_buffer);
+    signal_offsets["lamport_packs"] = offsetof(Signal, lamport_packs);
+    signal_offsets["served"] = offsetof(Signal, served);
+    signal_offsets["poisoned"] = offsetof(Signal, poisoned);
+    signal_offsets["generation"] = offsetof(Signal, generation);
+    error_offsets["state"] = offsetof(ErrorRecord, state);
+    error_offsets["kind"] = offsetof(ErrorRecord, kind);
+    error_offsets["rank"] = offsetof(ErrorRecord, rank);
+    error_offsets["peer"] = offsetof(ErrorRecord, peer);
+    error_offsets["epoch"] = offsetof(ErrorRecord, epoch);
+    error_offsets["peer_gave_up"] = offsetof(ErrorRecord, peer_gave_up);
+    error_offsets["first_call"] = offsetof(ErrorRecord, first_call);
+    error_offsets["expected"] = offsetof(ErrorRecord, expected);
+    error_offsets["seen"] = offsetof(ErrorRecord, seen);
+    error_offsets["channel_generation"] = offsetof(ErrorRecord, channel_generation);
+    nb::dict out;
+    out["rank"] = h.rank;
+    out["world"] = v.world;
+    out["loopback"] = v.loopback != 0;
+    out["generation"] = h.group->generation();
+    out["signals"] = signals;
+    out["lamport"] = lamport;
+    out["error"] = address(v.error);
+    out["cell_bytes"] = v.lamport_layout.block_bytes;
+    out["cells_bytes"] = v.lamport_layout.total_bytes();
+    out["max_blocks"] = v.lamport_layout.max_blocks;
+    out["timeout_ns"] = v.timeout_ns;
+    out["first_timeout_ns"] = v.first_timeout_ns;
+    out["algorithm"] = static_cast<uint32_t>(plan.algorithm);
+    out["grid"] = plan.grid;
+    out["packs"] = plan.packs;
+    out["per_block"] = plan.per_block;
+    out["tag_op"] = static_cast<uint32_t>(Op::kAllReduce);
+    out["empty_word"] = kLamportEmptyWord;
+    out["nan_word"] = kLamportNaNWord;
+    out["buffers"] = kLamportBuffers;
+    out["failure_timeout"] = kFailureTimeout;
+    out["failure_mismatch"] = kFailureMismatch;
+    out["failure_stale"] = kFailureStale;
+    out["error_complete"] = kErrorComplete;
+    out["poison_grace_ns"] = kPeerPoisonGraceNs;
+    out["signal_offsets"] = signal_offsets;
+    out["error_offsets"] = error_offsets;
+    return out;
+  }, nb::arg("platform"), nb::arg("channel"), nb::arg("partition"), nb::arg("ordinal"), nb::arg("bytes"),
+     "What a kernel outside the native layer needs to run an all_reduce of `bytes` bytes on the channel's "
+     "Lamport buffers with this rank (docs/DESIGN.md, \"Triton kernels\"): its device addresses (valid for the "
+     "life of the process, DESIGN C16), the generation of this preparation, the layout, the plan "
+     "(all_reduce.h plan_for) and the protocol's constants.");
+
   m.def("pending_errors", [] {
     std::vector<std::string> out;
     for (const ChannelGroup* group : Registry::get().groups()) {
       for (int r = 0; r < group->world(); ++r) {
         if (!group->is_local(r)) continue;  // another process reports its own ranks
+        std::string message = pending_error(*group, r);
+        if (!message.empty()) out.push_back(std::move(message));
+      }
+    }
+    // A released group's record counts only where an executable lowered
+    // before the release ran on it (its earlier failures were released).
+    for (const ChannelGroup* group : Registry::get().released_groups()) {
+      for (int r = 0; r < group->world(); ++r) {
+        if (!group->is_local(r) || group->error_record(r).kind != kFailureStale) continue;
         std::string message = pending_error(*group, r);
         if (!message.empty()) out.push_back(std::move(message));
       }

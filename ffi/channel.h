@@ -84,6 +84,11 @@ struct alignas(128) Signal {
   // Non-zero once a wait on this rank timed out: later calls on the channel
   // exit at once (DESIGN C8, the channel is poisoned until released).
   uint32_t poisoned;
+  // Which preparation of the channel this memory serves now, written by the
+  // host (Registry: a fresh number at every preparation, 0 once released).
+  // A kernel whose addresses were baked into an executable checks it
+  // against the one it was lowered for (docs/DESIGN.md, "Lifetime").
+  uint32_t generation;
 };
 static_assert(sizeof(Signal) % 128 == 0, "Signal must keep its 128-byte alignment");
 static_assert(sizeof(Signal::counter) == kMaxBlocks * kMaxRanks * sizeof(uint32_t));
@@ -102,12 +107,14 @@ struct ErrorRecord {
   uint32_t first_call;    // 1: the block's first call, bounded by the setup timeout
   CallTag expected;  // kFailureMismatch: this rank's call
   CallTag seen;      // kFailureMismatch: the call the peer announced
+  uint32_t channel_generation;  // kFailureStale: Signal::generation when it ran (epoch: the one it was lowered for)
 };
 inline constexpr uint32_t kErrorNone = 0;
 inline constexpr uint32_t kErrorWriting = 1;
 inline constexpr uint32_t kErrorComplete = 2;
 inline constexpr uint32_t kFailureTimeout = 0;
 inline constexpr uint32_t kFailureMismatch = 1;
+inline constexpr uint32_t kFailureStale = 2;  // an executable of an earlier preparation ran (Signal::generation)
 
 // Staging layout of one rank: [slot][source rank][block][block_bytes], with
 // two slots for the barrier protocol (protocol.h) and three buffers for the
@@ -149,6 +156,16 @@ struct ChannelView {
   uint64_t first_timeout_ns;     // the bound of a block's waits until it was served (Signal::served)
   int rank;
   int world;
+  int loopback;  // 1: a group of one whose peer is itself (docs/DESIGN.md, "Loopback")
 };
+
+// Whether rank `p` is one this rank exchanges with: every other rank of the
+// group; in a loopback group (one rank) the rank itself, so its payload
+// takes the same way through channel memory that a peer's would.
+B12X_HD bool exchanges_with(const ChannelView& v, int p) { return p < v.world && (p != v.rank || v.loopback != 0); }
+
+// Whether source `q`'s part of a sum is read from this rank's own input
+// rather than from channel memory: this rank's, except under loopback.
+B12X_HD bool from_own_input(const ChannelView& v, int q) { return q == v.rank && v.loopback == 0; }
 
 }  // namespace b12x

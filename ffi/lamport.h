@@ -102,7 +102,7 @@ B12X_HD void lamport_push_header(const ChannelView& v, const LamportCall& c) {
   header.words[2] = c.tag.packs;
   header.words[3] = c.tag.grid;
   for (int p = 0; p < v.world; ++p) {
-    if (p != v.rank) Mem::store_pack(c.header(v, p, c.buffer, v.rank), header);
+    if (exchanges_with(v, p)) Mem::store_pack(c.header(v, p, c.buffer, v.rank), header);
   }
 }
 
@@ -112,7 +112,7 @@ B12X_HD void lamport_push(const ChannelView& v, const LamportCall& c, size_t i, 
   const Pack wire = lamport_encode(x);
   B12X_UNROLL
   for (int p = 0; p < kMaxRanks; ++p) {
-    if (p < v.world && p != v.rank) Mem::store_pack(c.cell(v, p, c.buffer, v.rank) + i, wire);
+    if (exchanges_with(v, p)) Mem::store_pack(c.cell(v, p, c.buffer, v.rank) + i, wire);
   }
 }
 
@@ -139,7 +139,7 @@ template <class Mem>
 B12X_HD void lamport_refill(const ChannelView& v, const LamportCall& c, size_t i) {
   B12X_UNROLL
   for (int q = 0; q < kMaxRanks; ++q) {
-    if (q >= v.world || q == v.rank) continue;
+    if (!exchanges_with(v, q)) continue;
     if (i < c.previous_packs) Mem::store_pack(c.cell(v, v.rank, c.previous, q) + i, lamport_empty_pack());
     if (i == 0) Mem::store_pack(c.header(v, v.rank, c.previous, q), lamport_empty_pack());
   }

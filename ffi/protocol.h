@@ -48,8 +48,9 @@
 namespace b12x {
 
 // The peer whose counter holds a rank's epoch: arrive() advances the
-// counters of all peers together, so any one will do.
-B12X_HD int epoch_peer(int rank) { return rank == 0 ? 1 : 0; }
+// counters of all peers together, so any one will do (in a loopback group,
+// the rank itself).
+B12X_HD int epoch_peer(int rank, int world) { return rank == 0 && world > 1 ? 1 : 0; }
 
 // The epoch block `block` is about to run: one past the calls it has done
 // (mod 2^32). Every rank's block b has done the same calls (a call's grid is
@@ -57,7 +58,7 @@ B12X_HD int epoch_peer(int rank) { return rank == 0 ? 1 : 0; }
 // across ranks.
 template <class Mem>
 B12X_HD uint32_t next_epoch(const ChannelView& v, int block) {
-  return Mem::load_relaxed(&v.signals[v.rank]->counter[block][epoch_peer(v.rank)]) + 1u;
+  return Mem::load_relaxed(&v.signals[v.rank]->counter[block][epoch_peer(v.rank, v.world)]) + 1u;
 }
 
 template <class Mem>

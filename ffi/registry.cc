@@ -29,6 +29,7 @@ std::string Registry::add(std::unique_ptr<ChannelGroup> group) {
       }
     }
   }
+  group->write_generation(next_generation());
   groups_.push_back(std::move(group));
   return {};
 }
@@ -71,6 +72,7 @@ bool Registry::revive(Platform platform, std::string_view channel, std::string_v
         !(group.options() == options) || !group.wait_idle() || !group.reset()) {
       continue;
     }
+    group.write_generation(next_generation());
     groups_.push_back(std::move(*it));
     released_.erase(it);
     return true;
@@ -97,7 +99,11 @@ size_t Registry::release(Platform platform, std::string_view channel) {
   // other channels from finding theirs.
   std::string busy;
   for (ChannelGroup* group : releasing) {
-    if (!group->wait_idle()) busy += (busy.empty() ? "" : "\n") + busy_message(*group);
+    if (!group->wait_idle()) {
+      busy += (busy.empty() ? "" : "\n") + busy_message(*group);
+    } else {
+      group->write_generation(0);  // an executable lowered before stops at its first call
+    }
   }
   if (!busy.empty()) throw std::runtime_error(busy);
   return releasing.size();
@@ -110,6 +116,18 @@ std::vector<const ChannelGroup*> Registry::groups() const {
   return out;
 }
 
+std::vector<const ChannelGroup*> Registry::released_groups() const {
+  std::shared_lock lock(mutex_);
+  std::vector<const ChannelGroup*> out;
+  for (const auto& group : released_) out.push_back(group.get());
+  return out;
+}
+
+uint32_t Registry::next_generation() {  // under the exclusive lock
+  if (++generation_counter_ == 0) ++generation_counter_;
+  return generation_counter_;
+}
+
 ChannelView base_view(const ChannelOptions& options, int world, int blocks) {
   const auto cell_bytes = [&](size_t bytes) { return bytes / blocks / kPackBytes * kPackBytes; };
   ChannelView view{};
@@ -119,6 +137,7 @@ ChannelView base_view(const ChannelOptions& options, int world, int blocks) {
   const size_t window = std::min(options.lamport_bytes, options.capacity_bytes);
   view.lamport_layout = StagingLayout{cell_bytes(window), world, blocks, kLamportBuffers};
   view.world = world;
+  view.loopback = options.loopback && world == 1 ? 1 : 0;
   view.timeout_ns = static_cast<uint64_t>(options.timeout_s * 1e9);
   view.first_timeout_ns = static_cast<uint64_t>(std::max(options.timeout_s, options.setup_timeout_s) * 1e9);
   return view;
@@ -143,7 +162,15 @@ std::string describe(const CallTag& tag) {
 std::string timeout_message(const ChannelGroup& group, int rank) {
   const ErrorRecord& record = group.error_record(rank);
   char text[900];
-  if (record.kind == kFailureMismatch) {
+  if (record.kind == kFailureStale) {
+    std::snprintf(text, sizeof(text),
+                  "b12x_jax: channel '%s' rank %d: an executable lowered for an earlier preparation of the channel "
+                  "(generation %u) ran on its memory (generation %u%s). Its outputs are NaN and the channel is "
+                  "poisoned: release it (Communicator.release), prepare it again, and compile the function again "
+                  "after the preparation (a jitted function is traced again by itself; an AOT-compiled one is not).",
+                  group.channel().c_str(), record.rank, record.epoch, record.channel_generation,
+                  record.channel_generation == 0 ? ": released" : "");
+  } else if (record.kind == kFailureMismatch) {
     std::snprintf(text, sizeof(text),
                   "b12x_jax: channel '%s' rank %d expected %s at epoch %u but rank %d was at %s: the ranks run "
                   "different calls on one channel (their programs differ, or two threads dispatched calls in "

@@ -28,10 +28,12 @@ struct ChannelOptions {
   double setup_timeout_s = 60.0;  // bound on the waits of a channel's first call (start-up skew)
   int max_blocks = 0;         // largest CUDA grid; 0: min(kMaxBlocks, SM count)
   bool poison_outputs = false;  // debug: fill outputs with NaN before a kernel writes them
+  bool loopback = false;      // a group of one device runs the protocol with itself (docs/DESIGN.md, "Loopback")
 
   bool operator==(const ChannelOptions& o) const {
     return capacity_bytes == o.capacity_bytes && lamport_bytes == o.lamport_bytes && timeout_s == o.timeout_s &&
-           setup_timeout_s == o.setup_timeout_s && max_blocks == o.max_blocks && poison_outputs == o.poison_outputs;
+           setup_timeout_s == o.setup_timeout_s && max_blocks == o.max_blocks && poison_outputs == o.poison_outputs &&
+           loopback == o.loopback;
   }
 };
 
@@ -104,6 +106,16 @@ class ChannelGroup {
   // every process of the group.
   virtual void start_counters(uint32_t calls) const = 0;
   const ErrorRecord& error_record(int rank) const { return *host_errors_[rank]; }
+  // Writes `generation` into every local rank's Signal::generation (the
+  // Registry's, at preparation and release; docs/DESIGN.md, "Lifetime").
+  // Only while no call of the channel runs. Host memory by default.
+  virtual void write_generation(uint32_t generation) {
+    for (int r = 0; r < world(); ++r) {
+      if (is_local(r)) __atomic_store_n(&views_[r].signals[r]->generation, generation, __ATOMIC_RELEASE);
+    }
+    generation_ = generation;
+  }
+  uint32_t generation() const { return generation_; }
 
  protected:
   std::string channel_;
@@ -113,6 +125,7 @@ class ChannelGroup {
   ChannelOptions options_;
   std::vector<ChannelView> views_;
   std::vector<ErrorRecord*> host_errors_;
+  uint32_t generation_ = 0;
 };
 
 struct RankHandle {
@@ -157,8 +170,14 @@ class Registry {
   // (stats, pending_errors): an installed group is never destroyed, only
   // released (DESIGN C16).
   std::vector<const ChannelGroup*> groups() const;
+  // The released groups: only a stale executable (one lowered before the
+  // release) can still record an error in them (pending_errors reports it).
+  std::vector<const ChannelGroup*> released_groups() const;
 
  private:
+  // A fresh Signal::generation, never 0 (0: released).
+  uint32_t next_generation();
+  uint32_t generation_counter_ = 0;
   RankHandle find_locked(Platform platform, std::string_view channel, std::string_view partition, int ordinal) const;
 
   mutable std::shared_mutex mutex_;

@@ -69,11 +69,11 @@ ALGORITHM_LAMPORT_BYTES = 4096
 ALGORITHM_SIZES = (16, 1024, 4096, 4096 + 16, 3 * 16 * 1024 + 48)
 
 
-def check_every_protocol(mesh, algorithm: str, seed: int) -> int:
+def check_every_protocol(mesh, algorithm: str, seed: int, **options) -> int:
   """all_reduce on ``mesh`` (axis "x") with ``algorithm`` above the Lamport
   window, for every size of ALGORITHM_SIZES and dtype, twice each on fresh
   inputs, against float64, with poisoned outputs, on a fresh Communicator
-  (closed after). Returns the calls checked."""
+  with ``options`` besides (closed after). Returns the calls checked."""
   import b12x_jax
   from jax.sharding import PartitionSpec as P
 
@@ -81,7 +81,8 @@ def check_every_protocol(mesh, algorithm: str, seed: int) -> int:
   rng = np.random.default_rng(seed)
   fn = jax.jit(jax.shard_map(lambda x: b12x_jax.all_reduce(x, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
   checked = 0
-  with fresh_communicator(poison_outputs=True, algorithm=algorithm, lamport_bytes=ALGORITHM_LAMPORT_BYTES) as comm:
+  with fresh_communicator(poison_outputs=True, algorithm=algorithm, lamport_bytes=ALGORITHM_LAMPORT_BYTES,
+                          **options) as comm:
     with b12x_jax.channel("protocols"):
       for nbytes in ALGORITHM_SIZES:
         for dtype_name, dtype in DTYPES.items():
@@ -244,3 +245,15 @@ def integer_shards(rng: np.random.Generator, calls: int, n: int, elems: int) -> 
   """[calls, n, elems] random integers as float32 (never all zero): every
   float32 sum of them is exact, so a result is right or visibly wrong."""
   return rng.integers(-1000, 1000, size=(calls, n, elems)).astype(np.float32)
+
+
+def lower_for_cuda(fn, args, monkeypatch) -> str:
+  """The StableHLO text of jitted ``fn`` on ``args`` lowered for CUDA on
+  this CPU-only host. Pallas Triton asks the local GPU for its compute
+  capability while lowering; here it is told an H200's (a private module
+  of jax 0.11 and 0.12: jax._src.pallas.triton.pallas_call_registration)."""
+  from jax._src.pallas.triton import pallas_call_registration
+  from jax.experimental.pallas import triton as plt
+  monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                      lambda: plt.get_gpu_info_from_version(plt.GpuVersion.H200))
+  return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

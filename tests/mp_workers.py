@@ -687,11 +687,74 @@ def drop_in_mode(args) -> dict:
   return {"rank": me, "paths": paths, "checked": checked, "hashes": hashes}
 
 
+
+def triton_mode(args) -> dict:
+  """The Triton Lamport all_reduce across processes (docs/DESIGN.md, "Triton
+  kernels"): float32 at power-of-two sizes up to 256 KiB, twice
+  each, against float64 with poisoned outputs, then the same inputs on the
+  FFI kernel, which must give the same bits; Triton (float32) and FFI
+  (bfloat16) calls interleaved on one channel in one program; and Triton
+  calls across the uint32 wrap of the counters (the hook, a barrier, then
+  the calls). Returns the hashes, compared across processes by the test."""
+  import jax
+  import numpy as np
+
+  import b12x_jax
+  from b12x_jax import _compat
+  from helpers import DTYPES, assert_sum_matches, random_shards
+  mesh = _mesh()
+  hashes: dict[str, list[str]] = {}
+  for kernels in ("triton", "ffi"):
+    comm = _communicator(args, kernels=kernels, poison_outputs=True)
+    b12x_jax.set_communicator(comm)
+    ours = _reducer(mesh, b12x_jax.all_reduce)
+    rng = np.random.default_rng(0)  # the same shards for both kinds, in every process
+    with b12x_jax.channel("tri"):
+      for nbytes in (16, 4096, 65536, 256 << 10):  # one tile per program at max_blocks 64 // 8
+        hashes[f"{kernels}/{nbytes}"] = [_check(ours, mesh, rng, nbytes // 4, "float32") for _ in range(2)]
+    assert {d.kernel for d in comm.decisions} == {kernels}, comm.decisions
+    b12x_jax.check_errors()
+    comm.close()
+  for nbytes in (16, 4096, 65536, 256 << 10):
+    assert hashes[f"triton/{nbytes}"] == hashes[f"ffi/{nbytes}"], nbytes  # the FFI path's bits
+
+  comm = _communicator(args, kernels="triton", poison_outputs=True)
+  b12x_jax.set_communicator(comm)
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  def body(*xs):  # float32, bfloat16, float32, bfloat16: one channel, in this order
+    return tuple(b12x_jax.all_reduce(x, "x") for x in xs)
+  spec = (P("x"),) * 4
+  mixed = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+  rng = np.random.default_rng(2)
+  me, n = jax.process_index(), jax.device_count()
+  with b12x_jax.channel("mixed"):
+    for _ in range(3):
+      shards = [random_shards(rng, n, 2048, DTYPES[d]) for d in ("float32", "bfloat16", "float32", "bfloat16")]
+      outs = mixed(*[jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), s[me]) for s in shards])
+      for got, s, d in zip(outs, shards, ("float32", "bfloat16", "float32", "bfloat16")):
+        assert_sum_matches(np.asarray(got.addressable_shards[0].data)[None], s, d)
+  assert [d.kernel for d in comm.decisions[:4]] == ["triton", "ffi", "triton", "ffi"], comm.decisions
+  assert comm.stats("mixed", jax.local_devices()[0])["epoch"] == 12
+
+  comm.prepare(mesh, "x", channels=["wrap"])
+  comm._start_counters("wrap", 2**32 - 5)
+  _compat.distributed_client().wait_at_barrier("b12x_jax_triton_wrap_counters", 60_000)
+  ours = _reducer(mesh, b12x_jax.all_reduce)
+  rng = np.random.default_rng(1)
+  with b12x_jax.channel("wrap"):
+    hashes["wrap"] = [_check(ours, mesh, rng, 1024, "float32") for _ in range(10)]
+  b12x_jax.check_errors()
+  return {"hashes": hashes, "epoch": comm.stats("wrap", jax.local_devices()[0])["epoch"]}
+
+
 MODES = {"drop_in": drop_in_mode, "all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
          "never_joins": never_joins_mode, "close_twice": close_twice_mode, "throwaway": throwaway_mode,
          "exit_pending": exit_pending_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,
          "residual_rmsnorm": residual_rmsnorm_mode, "never_calls": never_calls_mode, "reprepare": reprepare_mode,
-         "independent": independent_mode, "late_start": late_start_mode, "wrap": wrap_mode}
+         "independent": independent_mode, "late_start": late_start_mode, "wrap": wrap_mode,
+         "triton": triton_mode}
 
 
 def main() -> None:

@@ -84,3 +84,17 @@ def test_the_lamport_and_barrier_paths_are_right_across_the_counter_wrap(gpu_rig
   results = gpu_rig("wrap", n)
   assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == 24, results
   assert {r["epoch"] for r in results} == {(2 * (2**32 - 5) + 24) % 2**32}, results  # both counters wrapped
+
+
+@pytest.mark.parametrize("graphs", ["on", "off"])
+@pytest.mark.parametrize("n", WORLDS)
+def test_the_triton_kernel_matches_float64_the_ffi_bits_and_interleaves_with_ffi_calls(gpu_rig, n, graphs):
+  results = gpu_rig("triton", n, env=GRAPHS_OFF if graphs == "off" else None, hard_timeout=240,
+                    communicator={"timeout_s": 5.0, "setup_timeout_s": 20.0})  # a failure fails fast
+  assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == 9, results
+  assert {r["epoch"] for r in results} == {(2 * (2**32 - 5) + 10) % 2**32}, results  # both counters wrapped
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_a_rank_that_never_calls_the_triton_kernel_gives_the_others_the_timeout_error_and_nan(gpu_rig, n):
+  check_never_calls(gpu_rig("never_calls", n, "--timeout", "2", communicator={"kernels": "triton"}), "2", "cuda")

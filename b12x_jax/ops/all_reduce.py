@@ -10,6 +10,7 @@ from jax.interpreters import ad, batching
 from b12x_jax import _compat, tuning
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import PACK_BYTES, get_communicator
+from b12x_jax.ops import _triton_lamport
 from b12x_jax.ops._common import axis_size, collective_primitive, why_not_a_mesh_axis
 
 _OP = "all_reduce"
@@ -56,8 +57,11 @@ def all_reduce(x, axis_name, *, axis_index_groups=None, channel: str | None = No
   ``vmap`` axis name) is psum under policy "auto" or an IneligibleError
   under "strict". Under "auto", psum also where the measured crossovers say
   it is faster. Above the Lamport window the kernel is one-shot or two-shot
-  by the communicator's ``algorithm`` (b12x_jax.tuning when "auto"). The
-  choice and the reason are recorded in ``get_communicator().decisions``.
+  by the communicator's ``algorithm`` (b12x_jax.tuning when "auto"). Inside
+  it, ``Communicator(kernels=...)`` picks the FFI kernel or the Pallas Triton
+  kernel of the same protocol (float32 on CUDA; docs/DESIGN.md "Triton
+  kernels"). The choice and the reason are recorded in
+  ``get_communicator().decisions``.
 
   Differentiation follows psum: the tangent is an all_reduce on the same
   channel; the cotangent is the cotangent itself where shard_map tracks
@@ -128,9 +132,9 @@ def _all_reduce_leaf(x: jax.Array, axis_name, axis_index_groups, channel: str | 
   name = resolve_channel(channel, _OP)
   sizes = [axis_size(a, _OP) for a in axes]
   psum = lambda: jax.lax.psum(x, axis_name, axis_index_groups=axis_index_groups)  # noqa: E731
-  if x.size == 0 or all(s == 1 for s in sizes):  # nothing crosses a link; psum's type (invariant over the axis)
-    return psum()
   comm = get_communicator()
+  if x.size == 0 or (all(s == 1 for s in sizes) and not comm.loopback):
+    return psum()  # nothing crosses a link; psum's type (invariant over the axis)
   why_not = _why_psum_only(axes, axis_index_groups)
   if why_not is not None:
     comm.outside_window(_OP, name, *why_not)
@@ -138,11 +142,14 @@ def _all_reduce_leaf(x: jax.Array, axis_name, axis_index_groups, channel: str | 
   (axis,), (size,) = axes, sizes
   nbytes = x.size * x.dtype.itemsize
   algorithm, why, psum_is_faster = _algorithm(comm, nbytes, size)
+  window = min(comm.lamport_bytes, comm.capacity_bytes)
+  kernel = comm.choose_kernel(_OP, _triton_lamport.why_not(_OP, x.dtype, nbytes, window))
   decision = comm.choose_path(_OP, name, nbytes, x.dtype, size, detail=f"{detail}; {why}" if detail else why,
-                              prefer_fallback=psum_is_faster)
+                              prefer_fallback=psum_is_faster, kernel=kernel)
   if decision.path == "psum":
     return psum()
-  return all_reduce_p.bind(x, axis_name=axis, channel=name, algorithm=np.int32(_ALGORITHM_CODES[algorithm]))
+  return all_reduce_p.bind(x, axis_name=axis, channel=name, algorithm=np.int32(_ALGORITHM_CODES[algorithm]),
+                           kernel=decision.kernel)
 
 
 def _why_psum_only(axes: tuple, axis_index_groups) -> tuple[str, str] | None:
@@ -178,24 +185,24 @@ def _algorithm(comm, nbytes: int, size: int) -> tuple[str, str, str | None]:
 # -- lowering ---------------------------------------------------------------------
 
 
-def _abstract_eval(x, *, axis_name: str, channel: str, algorithm: int):
-  del channel, algorithm
+def _abstract_eval(x, *, axis_name: str, channel: str, algorithm: int, kernel: str):
+  del channel, algorithm, kernel
   return _compat.drop_varying_axis(x, axis_name)
 
 
-def _psum_path(x, *, axis_name: str, algorithm: int = 0):
-  del algorithm
+def _psum_path(x, *, axis_name: str, algorithm: int = 0, kernel: str = "ffi"):
+  del algorithm, kernel
   return [jax.lax.psum(x, axis_name)]
 
 
 # -- differentiation and batching ---------------------------------------------
 
 
-def _transpose(ct, x, *, axis_name: str, channel: str, algorithm: int):
+def _transpose(ct, x, *, axis_name: str, channel: str, algorithm: int, kernel: str):
   """psum's rule (jax.lax.psum): where types track varying axes the sum's
   cotangent reaches each rank as is, else it is summed again, on the same
   channel."""
-  del algorithm
+  del algorithm, kernel
   if type(ct) is ad.Zero:
     return (ad.Zero(x.aval),)
   if axis_name in _compat.varying_axes(x.aval):
@@ -203,10 +210,10 @@ def _transpose(ct, x, *, axis_name: str, channel: str, algorithm: int):
   return (all_reduce(ct, axis_name, channel=channel),)
 
 
-def _batch(args, dims, *, axis_name: str, channel: str, algorithm: int):
+def _batch(args, dims, *, axis_name: str, channel: str, algorithm: int, kernel: str):
   """A batched all_reduce is one all_reduce of the stacked payload, its path
-  chosen again for that size."""
-  del algorithm
+  (and kernel) chosen again for that size."""
+  del algorithm, kernel
   (x,), (dim,) = args, dims
   return all_reduce(x, axis_name, channel=channel), dim
 

@@ -112,15 +112,16 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
   grid = _grid_limit(comm.max_blocks)
   not_a_mesh_axis = why_not_a_mesh_axis(axis_name)
   why_not = _fused_window(rows, row_bytes, _native.lamport_cell_bytes(comm.native_options(), grid), grid)
-  if size > 1 and not_a_mesh_axis is not None:
+  exchanges = size > 1 or comm.loopback  # loopback: a group of one runs the exchange too
+  if exchanges and not_a_mesh_axis is not None:
     comm.outside_window(_OP, name, *not_a_mesh_axis, fallback="unfused")
-  elif size > 1 and why_not is None:
+  elif exchanges and why_not is None:
     decision = comm.choose_path(_OP, name, x.size * x.dtype.itemsize, x.dtype, size)
     if decision.path == "b12x":
       normed, new_residual = residual_rmsnorm_p.bind(x, residual, weight, axis_name=axis_name, channel=name,
                                                      eps=np.float32(eps))  # the handler's f32 attribute
       return normed, new_residual
-  elif size > 1:
+  elif exchanges:
     comm.record(Decision(_OP, name, "unfused", why_not))
   return _unfused(all_reduce(x, axis_name, channel=channel), residual, weight, eps)
 

@@ -38,14 +38,14 @@ class BarrierCall : public HostCall {
     if (phase == 0) epoch_ = next_epoch<HostMem>(v, 0);
     stage(v, epoch_, phase);
     for (int peer = 0; peer < v.world; ++peer) {
-      if (peer != v.rank) arrive<HostMem>(v, 0, peer, epoch_ + phase, tag_);
+      if (exchanges_with(v, peer)) arrive<HostMem>(v, 0, peer, epoch_ + phase, tag_);
     }
   }
 
   PeerState poll(const ChannelView& v, int phase, const Deadline& deadline) override {
     const uint32_t epoch = epoch_ + phase;
     for (int peer = 0; peer < v.world; ++peer) {
-      if (peer == v.rank) continue;
+      if (!exchanges_with(v, peer)) continue;
       const auto probe = [&] { return check_arrival<HostMem>(v, 0, peer, epoch, tag_); };
       const PeerState state = poll_peer<HostMem>(v, peer, epoch, deadline, probe);
       if (state != PeerState::kArrived) return state;
@@ -86,7 +86,7 @@ class LamportHostCall : public HostCall {
 
   PeerState poll(const ChannelView& v, int /*phase*/, const Deadline& deadline) override {
     for (int q = 0; q < v.world; ++q) {
-      if (q == v.rank) continue;
+      if (!exchanges_with(v, q)) continue;
       const auto probe = [&] {
         if (!header_ok_[q]) {
           const PeerState header = lamport_header_state<HostMem>(v, call_, q);
@@ -107,7 +107,7 @@ class LamportHostCall : public HostCall {
     for (size_t i = 0; i < n_; ++i) {
       Pack staged[kMaxRanks];
       for (int q = 0; q < v.world; ++q) {
-        if (q == v.rank) {
+        if (from_own_input(v, q)) {
           staged[q] = in_[i];
         } else {
           lamport_load<HostMem>(v, call_, q, i, staged[q]);  // arrived: poll saw every word

@@ -73,7 +73,7 @@ ChannelView host_base_view(const ChannelOptions& options, int world) { return ba
 
 uint32_t read_host_calls(const ChannelView& v) {
   const Signal* own = v.signals[v.rank];
-  return HostMem::load_relaxed(&own->counter[0][epoch_peer(v.rank)]) + HostMem::load_relaxed(&own->lamport_calls[0]);
+  return HostMem::load_relaxed(&own->counter[0][epoch_peer(v.rank, v.world)]) + HostMem::load_relaxed(&own->lamport_calls[0]);
 }
 
 void start_host_counters(const ChannelGroup& group, uint32_t calls) {

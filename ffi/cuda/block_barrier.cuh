@@ -21,7 +21,7 @@ __device__ __forceinline__ bool block_barrier(const ChannelView& v, int block, u
   const Deadline deadline = wait_deadline<CudaMem>(v, block);  // before any thread of the block is served
   __syncthreads();  // all pushes of this block are issued before any flag
   const int peer = threadIdx.x;
-  if (peer < v.world && peer != v.rank) {
+  if (exchanges_with(v, peer)) {
     arrive<CudaMem>(v, block, peer, epoch, tag);
     if (!wait<CudaMem>(v, block, peer, epoch, tag, deadline)) timed_out = 1;
   }

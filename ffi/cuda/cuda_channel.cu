@@ -146,13 +146,17 @@ class CudaGroup final : public ChannelGroup {
   }
 
   uint32_t read_calls(int rank) const override {
-    return read_device_calls(ordinals_[rank], views_[rank].signals[rank], rank);
+    return read_device_calls(ordinals_[rank], views_[rank].signals[rank], rank, world());
   }
   bool read_poisoned(int rank) const override {
     return read_device_poisoned(ordinals_[rank], views_[rank].signals[rank]);
   }
   void start_counters(uint32_t calls) const override {
     for (int r = 0; r < world(); ++r) start_device_counters(ordinals_[r], views_[r].signals[r], calls);
+  }
+  void write_generation(uint32_t generation) override {
+    for (int r = 0; r < world(); ++r) write_device_generation(ordinals_[r], views_[r].signals[r], generation);
+    generation_ = generation;
   }
 
  private:
@@ -230,11 +234,11 @@ int resolve_max_blocks(const ChannelOptions& options, const std::vector<int>& or
   return max_blocks;
 }
 
-uint32_t read_device_calls(int ordinal, const Signal* signal, int rank) {
+uint32_t read_device_calls(int ordinal, const Signal* signal, int rank, int world) {
   DeviceGuard guard;
   cudaSetDevice(ordinal);
   uint32_t barrier = 0, lamport = 0;
-  cudaMemcpy(&barrier, &signal->counter[0][epoch_peer(rank)], sizeof(barrier), cudaMemcpyDeviceToHost);
+  cudaMemcpy(&barrier, &signal->counter[0][epoch_peer(rank, world)], sizeof(barrier), cudaMemcpyDeviceToHost);
   cudaMemcpy(&lamport, &signal->lamport_calls[0], sizeof(lamport), cudaMemcpyDeviceToHost);
   return barrier + lamport;
 }
@@ -247,6 +251,13 @@ void start_device_counters(int ordinal, Signal* signal, uint32_t calls) {
   B12X_CUDA_CHECK(cudaMemcpy(&host, signal, sizeof(Signal), cudaMemcpyDeviceToHost));
   start_signal_counters(host, calls);
   B12X_CUDA_CHECK(cudaMemcpy(signal, &host, sizeof(Signal), cudaMemcpyHostToDevice));
+}
+
+void write_device_generation(int ordinal, Signal* signal, uint32_t generation) {
+  DeviceGuard guard;
+  B12X_CUDA_CHECK(cudaSetDevice(ordinal));
+  B12X_CUDA_CHECK(cudaDeviceSynchronize());  // no call of this channel may be running
+  B12X_CUDA_CHECK(cudaMemcpy(&signal->generation, &generation, sizeof(generation), cudaMemcpyHostToDevice));
 }
 
 bool read_device_poisoned(int ordinal, const Signal* signal) {

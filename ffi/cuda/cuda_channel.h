@@ -22,11 +22,14 @@ std::string probe_peer_access(const std::vector<int>& ordinals);
 int resolve_max_blocks(const ChannelOptions& options, const std::vector<int>& ordinals);
 
 // Host-side reads of a rank's signal region on device `ordinal` (stats).
-uint32_t read_device_calls(int ordinal, const Signal* signal, int rank);
+uint32_t read_device_calls(int ordinal, const Signal* signal, int rank, int world);
 bool read_device_poisoned(int ordinal, const Signal* signal);
 // Writes the counters of protocol.h start_signal_counters into a rank's
 // signal region on device `ordinal` (ChannelGroup::start_counters).
 void start_device_counters(int ordinal, Signal* signal, uint32_t calls);
+// Writes Signal::generation of a rank's signal region on device `ordinal`
+// (ChannelGroup::write_generation), after the device finished its work.
+void write_device_generation(int ordinal, Signal* signal, uint32_t generation);
 
 // Allocates and zero-fills Signal, staging and a mapped host error record per
 // rank, and Lamport buffers filled with the "empty" word (lamport.h).

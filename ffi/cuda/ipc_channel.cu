@@ -98,13 +98,17 @@ class IpcGroup final : public SharedGroup {
   }
 
   uint32_t read_calls(int rank) const override {
-    return read_device_calls(ordinals_[rank], static_cast<const Signal*>(exports_[kSignals]), rank);
+    return read_device_calls(ordinals_[rank], static_cast<const Signal*>(exports_[kSignals]), rank, world());
   }
   bool read_poisoned(int rank) const override {
     return read_device_poisoned(ordinals_[rank], static_cast<const Signal*>(exports_[kSignals]));
   }
   void start_counters(uint32_t calls) const override {
     start_device_counters(ordinals_[local_], static_cast<Signal*>(exports_[kSignals]), calls);
+  }
+  void write_generation(uint32_t generation) override {
+    write_device_generation(ordinals_[local_], static_cast<Signal*>(exports_[kSignals]), generation);
+    generation_ = generation;
   }
 
  private:

@@ -54,7 +54,7 @@ __device__ __forceinline__ bool lamport_exchange(const ChannelView& v, const Cal
   };
   if (threadIdx.x == 0) {
     for (int q = 0; q < v.world; ++q) {
-      if (q != v.rank && !await(q, [&] { return lamport_header_state<CudaMem>(v, c, q); })) break;
+      if (exchanges_with(v, q) && !await(q, [&] { return lamport_header_state<CudaMem>(v, c, q); })) break;
     }
   }
   for (size_t i = threadIdx.x; i < n && !failed; i += kThreads) {
@@ -63,7 +63,7 @@ __device__ __forceinline__ bool lamport_exchange(const ChannelView& v, const Cal
 #pragma unroll
     for (int q = 0; q < kMaxRanks; ++q) {
       if (q >= v.world || !ok) continue;
-      if (q == v.rank) {
+      if (from_own_input(v, q)) {
         staged[q] = in[i];
         continue;
       }

@@ -1,0 +1,390 @@
+"""all_reduce in the Lamport window as a Pallas Triton kernel: XLA compiles
+and launches it itself, as it does a fusion, with no FFI call per op
+(docs/DESIGN.md, "Triton kernels").
+
+The kernel speaks the wire protocol of ffi/lamport.h word for word, on the
+channel's own memory: the same cells, headers and empty word, the same call
+tag, the same Signal words (buffer index, call count, packs, served,
+poison), the same plan (grid and packs per block, ffi/all_reduce.h
+plan_for), the same sum in rank order. So Triton and FFI calls interleave on
+one channel in program order. The native layer keeps owning the memory; it
+hands out the addresses (``_native.kernel_view``), which the lowering bakes
+in as constants, one row per device, picked by the device's mesh position.
+
+Every memory access to channel memory is inline PTX on a raw address. Pallas
+marks inline assembly pure, so the compiler may merge, move or drop it
+wherever data dependencies allow: every access therefore takes a value it
+must wait for (``dep``: the loop counter in a poll, the results of the
+accesses before it), and every store's result reaches the output, so none
+is dropped, none leaves its loop, and the polls start only after the pushes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from b12x_jax import _compat
+
+# Every word is an int32 in the kernel (Pallas Triton mixes signed and
+# unsigned 32-bit tensor types in comparisons): the bits are what counts.
+_U32 = jnp.int32
+# Layout of one device's row of the address table (32-bit words).
+ROW_WORDS = 64
+_RANK, _OWN_SIGNAL, _ERROR, _OWN_LAMPORT, _GENERATION = 0, 1, 3, 5, 7
+_PEER_LAMPORT, _PEER_SIGNAL = 8, 24  # + 2 * peer: (low, high) words
+# The largest block one program takes (it holds every source's words of it).
+MAX_TILE_WORDS = 8192
+# The kernel's clock: globaltimer >> 10, about microseconds, in 32 bits
+# (wraps after 73 minutes; waits are bounded below half of that).
+_CLOCK_SHIFT = 10
+_MAX_WAIT_UNITS = (1 << 31) - 1
+# A second bound, on polls, in case the clock does not advance: a poll is
+# at least one load from memory (over 64 ns), so a wait stops after at most
+# this many times its bound, never before it.
+_SPINS_PER_UNIT = 16
+
+# One 32-bit word at (lo, hi) + off; $4, the dependency, is not read.
+_LOAD = ("{ .reg .b64 a; .reg .b64 o; mov.b64 a, {$1, $2}; cvt.u64.u32 o, $3; add.u64 a, a, o; "
+         "ld.volatile.global.u32 $0, [a]; }")
+# The same where $4 is non-zero, else 0 without touching memory ($5: the dependency).
+_LOAD_IF = ("{ .reg .b64 a; .reg .b64 o; .reg .pred p; setp.ne.u32 p, $4, 0; mov.b64 a, {$1, $2}; "
+            "cvt.u64.u32 o, $3; add.u64 a, a, o; mov.u32 $0, 0; @p ld.volatile.global.u32 $0, [a]; }")
+# Stores $4 at (lo, hi) + off where $5 is non-zero; returns 0 ($6: the dependency).
+_STORE = ("{ .reg .b64 a; .reg .b64 o; .reg .pred p; setp.ne.u32 p, $5, 0; mov.b64 a, {$1, $2}; "
+          "cvt.u64.u32 o, $3; add.u64 a, a, o; @p st.volatile.global.u32 [a], $4; mov.u32 $0, 0; }")
+_CLOCK = ("{ .reg .u64 t; mov.u64 t, %globaltimer; shr.u64 t, t, " + str(_CLOCK_SHIFT) +
+          "; cvt.u32.u64 $0, t; }")  # $1: the dependency
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """One call's kernel, from the channel's kernel view (ffi/bindings.cc)."""
+  world: int
+  loopback: bool
+  grid: int
+  block_words: int  # words each program owns: packs per block * 4, a power of two
+  cell_bytes: int
+  cells_bytes: int
+  max_blocks: int
+  tag: tuple[int, int, int, int]
+  timeout_units: int
+  first_timeout_units: int
+  grace_units: int
+  signal_offsets: tuple[tuple[str, int], ...]
+  error_offsets: tuple[tuple[str, int], ...]
+  empty_word: int
+  nan_word: int
+  failure_timeout: int
+  failure_mismatch: int
+  failure_stale: int
+  error_complete: int
+
+
+def why_not(op: str, dtype, nbytes: int, window: int) -> str | None:
+  """Why no Triton kernel takes this call (decided at trace time), or None.
+  What only the prepared channel knows (its plan) is checked by
+  ``plan_problem`` when lowering."""
+  if op != "all_reduce":
+    return f"no Triton kernel for {op}"
+  if np.dtype(dtype) != np.float32:
+    return f"no Triton kernel for dtype {np.dtype(dtype).name} (float32 only)"
+  if nbytes > window:
+    return f"the payload of {nbytes} bytes is above the Lamport window of {window} bytes"
+  return None
+
+
+def plan_problem(view: dict) -> str | None:
+  """Why the Triton kernel cannot run the call the kernel view plans, or None."""
+  if view["algorithm"] != 3:  # Algorithm::kLamport
+    return "the channel plans the call outside its Lamport window"
+  words = view["per_block"] * 4
+  if view["grid"] * view["per_block"] != view["packs"] or words & (words - 1):
+    return (f"its {view['packs']} packs do not split into {view['grid']} blocks of a power-of-two words "
+            "(the Triton kernel's tiles)")
+  if words > MAX_TILE_WORDS:
+    return (f"its {view['grid']} blocks of {words} words exceed the Triton kernel's tiles of {MAX_TILE_WORDS} "
+            "(raise max_blocks)")
+  return None
+
+
+def _signed(word: int) -> int:
+  """A 32-bit word as the int32 the kernel holds it in."""
+  return int(np.uint32(word).view(np.int32))
+
+
+def make_plan(view: dict) -> Plan:
+  def units(ns: int) -> int:
+    return min(_MAX_WAIT_UNITS, max(1, ns >> _CLOCK_SHIFT))
+  return Plan(world=view["world"], loopback=bool(view["loopback"]), grid=view["grid"],
+              block_words=view["per_block"] * 4, cell_bytes=view["cell_bytes"], cells_bytes=view["cells_bytes"],
+              max_blocks=view["max_blocks"],
+              tag=(view["tag_op"], view["algorithm"], view["packs"], view["grid"]),
+              timeout_units=units(view["timeout_ns"]), first_timeout_units=units(view["first_timeout_ns"]),
+              grace_units=units(view["poison_grace_ns"]),
+              signal_offsets=tuple(sorted(view["signal_offsets"].items())),
+              error_offsets=tuple(sorted(view["error_offsets"].items())),
+              empty_word=_signed(view["empty_word"]), nan_word=_signed(view["nan_word"]),
+              failure_timeout=view["failure_timeout"],
+              failure_mismatch=view["failure_mismatch"], failure_stale=view["failure_stale"],
+              error_complete=view["error_complete"])
+
+
+def table_row(view: dict) -> np.ndarray:
+  """The row of the address table for the device of ``view`` (int32 words)."""
+  row = np.zeros(ROW_WORDS, np.uint32)
+  rank = view["rank"]
+
+  def put(at: int, address: int) -> None:
+    row[at], row[at + 1] = address & 0xFFFFFFFF, address >> 32
+
+  row[_RANK] = rank
+  row[_GENERATION] = view["generation"]  # of this device's group: checked by every call (DESIGN "Lifetime")
+  put(_OWN_SIGNAL, view["signals"][rank])
+  put(_ERROR, view["error"])
+  put(_OWN_LAMPORT, view["lamport"][rank])
+  for p in range(view["world"]):
+    put(_PEER_LAMPORT + 2 * p, view["lamport"][p])
+    put(_PEER_SIGNAL + 2 * p, view["signals"][p])
+  return row.view(np.int32)
+
+
+def _record_asm(error_offsets: dict, poisoned_offset: int, complete: int) -> str:
+  """Claims the channel's poison word and, for the one claimant, fills the
+  error record, as protocol.h record_failure: $1,$2 own signal, $3,$4 error
+  record, $5 the predicate, $6.. kind, rank, peer, epoch, peer_gave_up,
+  first_call, expected[4], seen[4], channel_generation; $21 the dependency.
+  Returns 0."""
+  e = error_offsets
+  fields = [("kind", 6), ("rank", 7), ("peer", 8), ("epoch", 9), ("peer_gave_up", 10), ("first_call", 11)]
+  stores = [f"@won st.volatile.global.u32 [e+{e[name]}], ${k};" for name, k in fields]
+  stores += [f"@won st.volatile.global.u32 [e+{e['expected'] + 4 * i}], ${12 + i};" for i in range(4)]
+  stores += [f"@won st.volatile.global.u32 [e+{e['seen'] + 4 * i}], ${16 + i};" for i in range(4)]
+  stores += [f"@won st.volatile.global.u32 [e+{e['channel_generation']}], $20;"]
+  return ("{ .reg .b64 s; .reg .b64 e; .reg .pred p; .reg .pred won; .reg .u32 old; "
+          "setp.ne.u32 p, $5, 0; mov.b64 s, {$1, $2}; mov.b64 e, {$3, $4}; mov.u32 old, 1; "
+          "@p fence.acq_rel.sys; "
+          f"@p atom.global.cas.b32 old, [s+{poisoned_offset}], 0, 1; "
+          "setp.eq.and.u32 won, old, 0, p; " + " ".join(stores) +
+          f" @won fence.acq_rel.sys; @won st.release.sys.global.u32 [e+{e['state']}], {complete}; "
+          "mov.u32 $0, 0; }")  # 0, as every store's result: it joins `sink`
+
+
+def _kernel(plan: Plan, table_ref, x_ref, y_ref):
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plt
+
+  W = plan.block_words
+  sig_off, err_off = dict(plan.signal_offsets), dict(plan.error_offsets)
+  shape = jax.ShapeDtypeStruct((W,), _U32)
+
+  def asm(code: str, *args) -> jax.Array:
+    args = [jnp.broadcast_to(jnp.asarray(a, _U32), (W,)) for a in args]
+    (out,) = plt.elementwise_inline_asm(code, args=args, constraints="=r," + ",".join(["r"] * len(args)), pack=1,
+                                        result_shape_dtypes=[shape])
+    return out
+
+  # Every table word is read here, once: a ref read inside a loop body
+  # would make the ref a loop constant, which Pallas Triton mislowers.
+  table = [table_ref[k] for k in range(_PEER_SIGNAL + 2 * plan.world)]
+
+  def address(at: int):
+    return table[at], table[at + 1]
+
+  def load(base, offset, dep):
+    return asm(_LOAD, *base, offset, dep)
+
+  def store(base, offset, value, enabled, dep):
+    return asm(_STORE, *base, offset, value, enabled.astype(_U32), dep)
+
+  def clock(dep):
+    return jnp.max(asm(_CLOCK, dep))  # one reading for the whole program
+
+  def any_(mask) -> jax.Array:
+    return jnp.max(mask.astype(jnp.int32)) > 0
+
+  block = pl.program_id(0).astype(_U32)
+  lanes = jax.lax.iota(_U32, W)
+  rank = table[_RANK]
+  own_signal, error, own_lamport = address(_OWN_SIGNAL), address(_ERROR), address(_OWN_LAMPORT)
+  zero = jnp.zeros((W,), _U32)
+
+  # The block's Signal words, as its previous call left them (lamport.h lamport_begin).
+  def word(name: str, dep, per_block: bool = True):
+    return load(own_signal, sig_off[name] + (4 * block if per_block else 0), dep)
+
+  # Independent loads (no dependency between them: issued together, not one
+  # round trip after the other); their addresses differ, so none is merged.
+  buffer = word("lamport_buffer", zero)
+  calls = word("lamport_calls", zero)
+  previous_packs = word("lamport_packs", zero)
+  served = word("served", zero)
+  poisoned = word("poisoned", zero, per_block=False)
+  generation = word("generation", zero, per_block=False)
+  previous = jnp.where(buffer == zero, jnp.full((W,), 2, _U32), buffer - 1)  # B(k - 1), cycling 0, 1, 2
+  start = clock(buffer | calls | previous_packs | served | poisoned | generation)  # after every read
+  lowered_for = jnp.full((W,), table[_GENERATION], _U32)
+  stale = any_(generation != lowered_for)
+  go = jnp.logical_and(jnp.logical_not(any_(poisoned != zero)), jnp.logical_not(stale))
+
+  def exchanges_with(p: int):  # channel.h exchanges_with (traced: Pallas Triton lowers no Python bools)
+    return rank == p if plan.loopback else rank != p
+
+  def cell_offset(buf, source):
+    return ((buf * plan.world + source) * plan.max_blocks + block) * plan.cell_bytes + 4 * lanes
+
+  def header_offset(buf, source):
+    return plan.cells_bytes + ((buf * plan.world + source) * plan.max_blocks + block) * 16 + 4 * (lanes & 3)
+
+  tag_words = jnp.full((W,), plan.tag[3], _U32)  # word k of the tag at lanes k, k + 4, ...
+  for k in (2, 1, 0):
+    tag_words = jnp.where((lanes & 3) == k, jnp.full((W,), plan.tag[k], _U32), tag_words)
+  x = x_ref[...]
+  x_words = jax.lax.bitcast_convert_type(x, _U32)
+  empty = jnp.full((W,), plan.empty_word, _U32)
+  wire = jnp.where(x_words == empty, jnp.full((W,), plan.nan_word, _U32), x_words)
+
+  # 1. Push the payload and the header into this rank's cell of every peer's buffer B(k).
+  sink = zero  # ORs every store's result (0): what keeps them, in order (the module docstring)
+  for p in range(plan.world):
+    enabled = jnp.logical_and(exchanges_with(p), go)
+    peer = address(_PEER_LAMPORT + 2 * p)
+    sink = sink | store(peer, cell_offset(buffer, rank), wire, jnp.broadcast_to(enabled, (W,)), sink)
+    sink = sink | store(peer, header_offset(buffer, rank), tag_words, jnp.logical_and(enabled, lanes < 4), sink)
+
+  # 2. Poll every source's cell and header of B(k) until no word is empty,
+  #    bounded (protocol.h poll_peer): the deadline, or the peer's poison
+  #    after the grace.
+  first_call_flag = jnp.max((served == zero).astype(jnp.int32))  # 1 until the block met its peers once
+  first_call = first_call_flag > 0
+  bound = plan.timeout_units + first_call_flag * (plan.first_timeout_units - plan.timeout_units)
+  spin_bound = jnp.minimum(bound, _MAX_WAIT_UNITS // _SPINS_PER_UNIT) * _SPINS_PER_UNIT
+  sources = list(range(plan.world))
+
+  def poll(it):
+    dep = jnp.broadcast_to(it, (W,))
+    cells = [load(own_lamport, cell_offset(buffer, q), dep) for q in sources]
+    headers = [load(own_lamport, header_offset(buffer, q), dep) for q in sources]
+    pending = [jnp.logical_and(exchanges_with(q), jnp.logical_or(any_(c == empty), any_(h == empty)))
+               for q, c, h in zip(sources, cells, headers)]
+    return cells, headers, pending
+
+  def first_of(flags) -> jax.Array:  # the lowest rank whose flag is set, else world
+    out = jnp.int32(plan.world)
+    for q in reversed(sources):
+      out = jnp.where(flags[q], jnp.int32(q), out)
+    return out
+
+  # Carries are int32, flags too: Pallas Triton mistypes bool loop values.
+  def cond(carry):
+    _, waiting, failed_peer, _ = carry[:4]
+    return jnp.logical_and(waiting > 0, failed_peer < 0)
+
+  def body(carry):
+    it, _, _, _, *_ = carry
+    cells, headers, pending = poll(it)
+    waiting = functools.reduce(jnp.logical_or, pending)
+    now = clock(jnp.broadcast_to(it, (W,)) | cells[0])
+    elapsed = now - start
+    late = jnp.logical_or(elapsed > bound, it > spin_bound)
+    # A pending peer that poisoned the channel gave up: stop now (after the grace).
+    look = jnp.logical_and(waiting, elapsed > plan.grace_units)
+    gave = [jnp.logical_and(pending[q], any_(asm(_LOAD_IF, *address(_PEER_SIGNAL + 2 * q), sig_off["poisoned"],
+                                                  look.astype(_U32), jnp.broadcast_to(it, (W,))) != 0))
+            for q in sources]
+    gave_up = functools.reduce(jnp.logical_or, gave)
+    failed = jnp.logical_and(waiting, jnp.logical_or(late, gave_up))
+    failed_peer = jnp.where(failed, jnp.where(gave_up, first_of(gave), first_of(pending)), -1)
+    return (it + 1, waiting.astype(jnp.int32), failed_peer, gave_up.astype(jnp.int32), *cells, *headers)
+
+  init = (jnp.max(sink), go.astype(jnp.int32), jnp.int32(-1), jnp.int32(0), *([zero] * (2 * plan.world)))
+  it, _, failed_peer, gave_up, *polled = jax.lax.while_loop(cond, body, init)
+  gave_up = gave_up > 0
+  cells, headers = polled[:plan.world], polled[plan.world:]
+  timed_out = failed_peer >= 0
+
+  # 3. The tags (lamport.h lamport_header_state), once every word arrived.
+  mismatched = [jnp.logical_and(exchanges_with(q), any_(headers[q] != tag_words)) for q in sources]
+  mismatch = jnp.logical_and(jnp.logical_and(go, jnp.logical_not(timed_out)),
+                             functools.reduce(jnp.logical_or, mismatched))
+  mismatch_peer = first_of(mismatched)
+  seen = [jnp.max(jnp.where((lanes & 3) == k, sum(jnp.where(mismatch_peer == q, headers[q], 0) for q in sources), 0))
+          for k in range(4)]
+
+  # 4. A failure is recorded once per channel (the poison word's claim).
+  # int32 constants, not Python ints: jnp.where(b, 1, 0) lowers to a 1-bit value in Pallas Triton.
+  kinds = [jnp.int32(k) for k in (plan.failure_stale, plan.failure_mismatch, plan.failure_timeout)]
+  kind = jnp.where(stale, kinds[0], jnp.where(mismatch, kinds[1], kinds[2]))
+  record = jnp.logical_or(stale, jnp.logical_or(timed_out, mismatch))
+  peer = jnp.where(stale, -1, jnp.where(mismatch, mismatch_peer, failed_peer))
+  epoch = jnp.where(stale, lowered_for, calls + 1)
+  sink = sink | asm(_record_asm(err_off, sig_off["poisoned"], plan.error_complete), *own_signal, *error,
+                    jnp.logical_and(record, lanes == 0).astype(_U32), kind, rank, peer.astype(_U32), epoch,
+                    jnp.logical_and(gave_up, timed_out).astype(_U32), first_call.astype(_U32),
+                    *[jnp.int32(t) for t in plan.tag], *seen, generation, jnp.broadcast_to(it, (W,)))
+  done = jnp.logical_and(go, jnp.logical_not(jnp.logical_or(timed_out, mismatch)))
+
+  # 5. The sum in rank order 0..N-1, fp32 from 0 (numeric.h sum_in_rank_order):
+  #    this rank's own part from its input, except under loopback.
+  total = jnp.zeros((W,), jnp.float32)
+  for q in sources:
+    received = jax.lax.bitcast_convert_type(cells[q], jnp.float32)
+    total = total + (received if plan.loopback else jnp.where(rank == q, x, received))  # channel.h from_own_input
+
+  # 6. Refill the cells and headers of B(k - 1) this block read in its
+  #    previous call (lamport.h lamport_refill), then advance (lamport_advance).
+  previous_words = jnp.max(previous_packs) * 4
+
+  def refill_cond(carry):
+    return carry[0] * W < previous_words
+
+  def refill_body(carry):
+    chunk, acc = carry
+    words = chunk * W + lanes
+    for q in sources:
+      enabled = jnp.logical_and(jnp.logical_and(exchanges_with(q), done), words < previous_words)
+      acc = acc | store(own_lamport, cell_offset(previous, q) + 4 * chunk * W, empty, enabled, acc)
+    return chunk + 1, acc
+
+  _, sink = jax.lax.while_loop(refill_cond, refill_body, (jnp.int32(0), sink))
+  for q in sources:
+    enabled = jnp.logical_and(jnp.logical_and(exchanges_with(q), done), lanes < 4)
+    sink = sink | store(own_lamport, header_offset(previous, q), empty, enabled, sink)
+  following = jnp.where(buffer == jnp.full((W,), 2, _U32), zero, buffer + 1)
+  head = jnp.logical_and(done, lanes == 0)
+  for name, value in (("served", jnp.ones((W,), _U32)), ("lamport_calls", calls + 1),
+                      ("lamport_buffer", following), ("lamport_packs", jnp.full((W,), W // 4, _U32))):
+    sink = sink | store(own_signal, sig_off[name] + 4 * block, value, head, sink)
+
+  # 7. NaN where the call could not finish (C8); `sink` (always 0) keeps every store.
+  failed_or_kept = jnp.logical_or(jnp.logical_not(done), sink != zero)
+  y_ref[...] = jnp.where(failed_or_kept, jnp.float32(jnp.nan), total)
+
+
+def all_reduce(x: jax.Array, row: jax.Array, plan: Plan, *, channel: str, poison: bool) -> jax.Array:
+  """The Triton Lamport all_reduce of float32 ``x`` on the channel whose
+  table ``row`` (this device's) and ``plan`` were baked at lowering."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plt
+
+  flat = x.reshape(-1)
+  W = plan.block_words
+  spec = pl.BlockSpec((W,), lambda i: (i,))
+  operands, aliases = [row, flat], {}
+  in_specs = [pl.BlockSpec((ROW_WORDS,), lambda i: (0,)), spec]
+  if poison:  # poison_outputs: NaN in every element the kernel does not write
+    operands.append(jnp.full_like(flat, jnp.nan))
+    in_specs.append(spec)
+    aliases = {2: 0}
+
+  def kernel(table_ref, x_ref, *refs):  # refs: (the poisoned output,) and the output
+    _kernel(plan, table_ref, x_ref, refs[-1])
+  y = pl.pallas_call(kernel, out_shape=_compat.shape_dtype_like(flat), grid=(plan.grid,),
+                     in_specs=in_specs, out_specs=spec, input_output_aliases=aliases,
+                     compiler_params=plt.CompilerParams(num_warps=4 if W <= 1024 else 8, num_stages=1),
+                     name=f"b12x_all_reduce_lamport_{channel}", metadata={"b12x_channel": channel})(*operands)
+  return y.reshape(x.shape)

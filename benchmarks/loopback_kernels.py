@@ -1,0 +1,118 @@
+"""The FFI and the Triton kernel of the same Lamport protocol, side by side on
+one GPU, through loopback (docs/DESIGN.md, "Loopback"): a group of one
+whose peer is itself runs every step of the exchange (pushes to the "peer"
+buffers, polls, sum, refill), so both kernel kinds are timed in one run.
+
+Each measurement is one executable of `--ops` chained float32 all_reduces
+(each consumes the previous result), the median per op over `--iters`
+runs (b12x_jax.tuning.per_op_us). Before timing, every size is checked:
+the result of a loopback all_reduce is its input, bit for bit, and the
+epoch advances once per call; then FFI and Triton calls interleave on one
+channel (float32 takes the Triton kernel, bfloat16 the FFI one).
+
+  python benchmarks/loopback_kernels.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _common import add_timing_arguments, per_op_us, size_label
+from jax.sharding import PartitionSpec as P
+
+import b12x_jax
+
+SIZES = [1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20]
+
+
+def put(mesh, x):
+  return jax.device_put(jnp.asarray(x), jax.sharding.NamedSharding(mesh, P("x")))
+
+
+def chained(mesh, ops: int):
+  def body(x):
+    for _ in range(ops):
+      x = b12x_jax.all_reduce(x, "x")
+    return x
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+
+def check(mesh, comm, kernels: str, rng) -> None:
+  """Every size, twice (two Lamport buffers), against its input; the epoch
+  counts every call."""
+  one = chained(mesh, 1)
+  device = mesh.devices.flat[0]
+  comm.prepare(mesh, "x", channels=[f"check-{kernels}"])
+  with b12x_jax.channel(f"check-{kernels}"):
+    for size in SIZES:
+      for _ in range(3):
+        x = rng.standard_normal(size // 4).astype(np.float32)
+        before = comm.stats(f"check-{kernels}", device)["epoch"]
+        got = np.asarray(one(put(mesh, x)))
+        assert got.view(np.uint32).tolist() == x.view(np.uint32).tolist(), (kernels, size)
+        assert comm.decisions[-1].kernel == kernels, comm.decisions[-1]
+        assert comm.stats(f"check-{kernels}", device)["epoch"] == before + 1, (kernels, size)
+  comm.check_errors()
+
+
+def interleave(mesh, comm, rng) -> None:
+  """float32 (Triton) and bfloat16 (FFI) calls in turn on one channel."""
+  def body(x, y):
+    for _ in range(8):
+      x = b12x_jax.all_reduce(x, "x")
+      y = b12x_jax.all_reduce(y, "x")
+    return x, y
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x"))))
+  with b12x_jax.channel("mixed"):
+    for _ in range(3):
+      x = rng.standard_normal(4096).astype(np.float32)
+      y = rng.standard_normal(4096).astype(np.float32).astype(jnp.bfloat16)
+      gx, gy = fn(put(mesh, x), put(mesh, y))
+      assert np.array_equal(np.asarray(gx).view(np.uint32), x.view(np.uint32))
+      assert np.array_equal(np.asarray(gy).view(np.uint16), np.asarray(y).view(np.uint16))
+    kinds = {d.kernel for d in comm.decisions[-16:]}
+    assert kinds == {"ffi", "triton"}, kinds
+    assert comm.stats("mixed", mesh.devices.flat[0])["epoch"] == 3 * 16
+  comm.check_errors()
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  add_timing_arguments(parser, devices=False)
+  parser.set_defaults(ops=256, iters=30)
+  args = parser.parse_args()
+  mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
+  rng = np.random.default_rng(0)
+  times: dict[int, dict[str, float]] = {size: {} for size in SIZES}
+  for kernels in ("ffi", "triton"):
+    comm = b12x_jax.Communicator(loopback=True, kernels=kernels)
+    b12x_jax.get_communicator().close()
+    b12x_jax.set_communicator(comm)
+    check(mesh, comm, kernels, rng)
+    if kernels == "triton":
+      interleave(mesh, comm, rng)
+    fn = chained(mesh, args.ops)
+    with b12x_jax.channel(f"time-{kernels}"):
+      for size in SIZES:
+        x = put(mesh, rng.standard_normal(size // 4).astype(np.float32))
+        times[size][kernels] = per_op_us(lambda: fn(x), args.ops, args.iters)
+    comm.check_errors()
+    comm.close()
+  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, loopback, float32, {args.ops} chained ops, "
+        f"median of {args.iters}")
+  print(f"{'size':>8} {'ffi us':>8} {'triton us':>10} {'ffi - triton':>13}")
+  for size in SIZES:
+    t = times[size]
+    print(f"{size_label(size):>8} {t['ffi']:8.2f} {t['triton']:10.2f} {t['ffi'] - t['triton']:13.2f}")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({str(k): v for k, v in times.items()}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

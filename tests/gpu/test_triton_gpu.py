@@ -1,0 +1,113 @@
+"""The Triton Lamport all_reduce on one GPU through loopback (docs/DESIGN.md,
+"Loopback", "Triton kernels"; marked gpu, skipped without a GPU): a group
+of one whose peer is itself runs the kernel's whole protocol. Its result is
+its input, bit for bit, at every power-of-two size of the Lamport window,
+with poisoned outputs; Triton and FFI calls interleave on one channel; the
+kernel is right across the counter wrap; and an executable lowered before
+a release never runs on the channel's memory afterwards: NaN outputs and an
+error from check_errors, after the release and after the next preparation.
+Across ranks: tests/test_gpu_rig.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import fresh_communicator
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import b12x_jax
+from conftest import gpu_count
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")]
+SIZES = [16, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20]
+
+
+def _mesh():
+  return jax.make_mesh((1,), ("x",), devices=jax.devices("gpu")[:1])
+
+
+def _put(mesh, x):
+  return jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("x")))
+
+
+def _sum(mesh):
+  return jax.jit(jax.shard_map(lambda v: b12x_jax.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+
+def _same_bits(got, want) -> bool:
+  return np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+
+
+def test_every_size_comes_back_bit_for_bit_with_poisoned_outputs():
+  mesh = _mesh()
+  rng = np.random.default_rng(11)
+  with fresh_communicator(loopback=True, kernels="triton", poison_outputs=True) as comm, b12x_jax.channel("sizes"):
+    for size in SIZES:
+      for call in range(3):  # three calls: every Lamport buffer
+        x = rng.standard_normal(size // 4).astype(np.float32)
+        assert _same_bits(_sum(mesh)(_put(mesh, x)), x), (size, call)
+    assert {d.kernel for d in comm.decisions} == {"triton"}, comm.decisions
+    assert comm.stats("sizes", mesh.devices.flat[0])["epoch"] == 3 * len(SIZES)
+    comm.check_errors()
+
+
+def test_triton_and_ffi_calls_interleave_on_one_channel():
+  mesh = _mesh()
+
+  def body(x, y):
+    for _ in range(4):
+      x, y = b12x_jax.all_reduce(x, "x"), b12x_jax.all_reduce(y, "x")
+    return x, y
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x"))))
+  rng = np.random.default_rng(12)
+  with fresh_communicator(loopback=True, kernels="triton") as comm, b12x_jax.channel("mixed"):
+    for _ in range(3):
+      x = rng.standard_normal(2048).astype(np.float32)
+      y = rng.standard_normal(4096).astype(np.float32).astype(jnp.bfloat16)
+      gx, gy = fn(_put(mesh, x), _put(mesh, y))
+      assert _same_bits(gx, x) and _same_bits(gy, y)
+    assert [d.kernel for d in comm.decisions] == ["triton", "ffi"] * 4, comm.decisions
+    assert comm.stats("mixed", mesh.devices.flat[0])["epoch"] == 3 * 8
+    comm.check_errors()
+
+
+def test_the_kernel_is_right_across_the_counter_wrap():
+  mesh = _mesh()
+  rng = np.random.default_rng(13)
+  with fresh_communicator(loopback=True, kernels="triton", poison_outputs=True) as comm:
+    comm.prepare(mesh, "x", channels=["wrap"])
+    comm._start_counters("wrap", 2**32 - 5)
+    with b12x_jax.channel("wrap"):
+      for call in range(10):
+        x = rng.standard_normal(1024 if call % 2 else 16384).astype(np.float32)
+        assert _same_bits(_sum(mesh)(_put(mesh, x)), x), call
+    assert comm.stats("wrap", mesh.devices.flat[0])["epoch"] == (2 * (2**32 - 5) + 10) % 2**32  # both counters wrapped
+    comm.check_errors()
+
+
+def test_an_executable_of_an_earlier_preparation_stops_with_nan_and_an_error():
+  mesh = _mesh()
+  rng = np.random.default_rng(14)
+  x = rng.standard_normal(1024).astype(np.float32)
+  with fresh_communicator(loopback=True, kernels="triton") as comm:
+    with b12x_jax.channel("stale"):
+      compiled = _sum(mesh).lower(_put(mesh, x)).compile()
+    assert _same_bits(compiled(_put(mesh, x)), x)
+    comm.release("stale")
+    assert np.isnan(np.asarray(compiled(_put(mesh, x)))).all()  # released: generation 0
+    with pytest.raises(b12x_jax.CollectiveTimeoutError, match=r"earlier preparation .* \(generation 0: released\)"):
+      comm.check_errors()
+    comm.prepare(mesh, "x", channels=["stale"])  # the same memory again, reset, a new generation
+    comm.check_errors()
+    assert np.isnan(np.asarray(compiled(_put(mesh, x)))).all()
+    with pytest.raises(b12x_jax.CollectiveTimeoutError, match=r"channel 'stale' rank 0: an executable lowered for an "
+                       r"earlier preparation of the channel \(generation \d+\) ran on its memory \(generation \d+\)"):
+      comm.check_errors()
+    comm.release("stale")
+    with b12x_jax.channel("stale"):  # traced again after the release: prepares, and runs
+      assert _same_bits(_sum(mesh)(_put(mesh, x)), x)
+    comm.check_errors()

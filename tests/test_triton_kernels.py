@@ -1,0 +1,151 @@
+"""Communicator(kernels=...) and the Triton Lamport all_reduce, checked
+without a GPU (docs/DESIGN.md, "Triton kernels"): which kernel kind a call
+gets and why (recorded in decisions), the CPU fallback, policy "strict";
+and the module lowered for CUDA: the Triton custom call named after its
+channel, tied into the channel's token chain by optimization barriers
+between FFI calls of the same channel, with this device's addresses baked
+in. The kernels themselves run on the GPU tests (tests/gpu/test_triton_gpu.py,
+tests/test_gpu_rig.py)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_sum_matches, fresh_communicator, lower_for_cuda, put_sharded, random_shards
+from jax.sharding import PartitionSpec as P
+
+import b12x_jax
+from b12x_jax import _native
+
+
+def _sum_fn(mesh):
+  return jax.jit(jax.shard_map(lambda v: b12x_jax.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+
+def test_kernels_must_be_one_of_the_kinds():
+  with pytest.raises(ValueError, match=r"kernels must be one of \('auto', 'ffi', 'triton'\), got 'cuda'"):
+    b12x_jax.Communicator(kernels="cuda")
+
+
+@pytest.mark.parametrize("dtype, nbytes, kind, why", [
+    (np.float32, 4096, "triton", "the Triton kernel (kernels='triton')"),
+    (jnp.bfloat16, 4096, "ffi", "no Triton kernel for dtype bfloat16"),
+    (np.float32, 2 << 20, "ffi", "above the Lamport window of 1048576 bytes"),
+])
+def test_the_decision_says_which_kernel_a_call_got_and_why(cpu_mesh, dtype, nbytes, kind, why):
+  mesh = cpu_mesh(2)
+  with fresh_communicator(kernels="triton") as comm, b12x_jax.channel("kinds"):
+    shards = random_shards(np.random.default_rng(5), 2, nbytes // np.dtype(dtype).itemsize, dtype)
+    got = np.asarray(_sum_fn(mesh)(put_sharded(mesh, shards))).reshape(shards.shape)
+    assert_sum_matches(got, shards, np.dtype(dtype).name)
+    traced = comm.decisions[0]
+    assert traced.path == "b12x" and traced.kernel == kind and why in traced.reason, traced
+    if kind == "triton":  # lowered for CPU: the ffi kernel of the same protocol ran it
+      assert comm.decisions[1].kernel == "ffi", comm.decisions
+      assert "Pallas Triton has no cpu path" in comm.decisions[1].reason, comm.decisions
+    else:
+      assert len(comm.decisions) == 1, comm.decisions
+
+
+def test_auto_takes_the_ffi_kernel_off_cuda_and_ffi_is_the_default(cpu_mesh):
+  mesh = cpu_mesh(2)
+  x = put_sharded(mesh, random_shards(np.random.default_rng(6), 2, 256, np.float32))
+  for kernels, why in (("auto", "kernels='auto' and the default backend is cpu"), ("ffi", None)):
+    options = {} if kernels == "ffi" else {"kernels": kernels}
+    with fresh_communicator(**options) as comm, b12x_jax.channel("auto"):
+      _sum_fn(mesh)(x).block_until_ready()
+      assert comm.kernels == kernels and [d.kernel for d in comm.decisions] == ["ffi"], comm.decisions
+      assert why is None or why in comm.decisions[0].reason, comm.decisions
+
+
+def test_strict_refuses_triton_where_it_cannot_run(cpu_mesh):
+  mesh = cpu_mesh(2)
+  bf16 = put_sharded(mesh, random_shards(np.random.default_rng(7), 2, 256, jnp.bfloat16))
+  f32 = put_sharded(mesh, random_shards(np.random.default_rng(7), 2, 256, np.float32))
+  with fresh_communicator(kernels="triton", policy="strict"), b12x_jax.channel("strict"):
+    b12x_jax.get_communicator().prepare(mesh, "x", channels=["strict"])
+    with pytest.raises(b12x_jax.IneligibleError, match=r"kernels='triton' but no Triton kernel for dtype bfloat16"):
+      _sum_fn(mesh)(bf16)
+    with pytest.raises(b12x_jax.IneligibleError, match=r"kernels='triton' but Pallas Triton has no cpu path"):
+      _sum_fn(mesh)(f32)
+
+
+def _calls(text: str) -> list[tuple[str, str, str, str]]:
+  """(kind, name, result, line) of every b12x FFI call and Triton kernel in
+  ``text``, in program order."""
+  calls = []
+  for line in text.splitlines():
+    call = re.match(r"\s*(%[\w]+)(?::\d+)? = stablehlo.custom_call @(b12x_all_reduce|__gpu\$xla.gpu.triton)\(", line)
+    if call:
+      name = re.search(r'channel_id = "([^"]+)"|name = "([^"]+)"', line)
+      calls.append((call.group(2), name.group(1) or name.group(2), call.group(1), line))
+  return calls
+
+
+def _depends(text: str, later: str, earlier: str) -> bool:
+  """Whether SSA value ``later`` is computed from ``earlier`` (through any
+  chain of operations of ``text``)."""
+  uses: dict[str, set[str]] = {}
+  for line in text.splitlines():
+    defined = re.match(r"\s*(%[\w]+)(?::\d+)? = (.*)", line)
+    if defined:
+      uses[defined.group(1)] = {v.split("#")[0] for v in re.findall(r"%[\w#]+", defined.group(2))}
+  seen, todo = set(), [later]
+  while todo:
+    value = todo.pop()
+    if value == earlier:
+      return True
+    if value not in seen:
+      seen.add(value)
+      todo.extend(uses.get(value, ()))
+  return False
+
+
+def test_the_cuda_lowering_chains_triton_and_ffi_calls_on_one_token(cpu_mesh, monkeypatch):
+  mesh = cpu_mesh(2)
+
+  def body(x, y):
+    x = b12x_jax.all_reduce(x, "x")  # float32: Triton
+    y = b12x_jax.all_reduce(y, "x")  # bfloat16: FFI, independent of x but for the channel's token
+    return b12x_jax.all_reduce(x * 2, "x"), y
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=(P(), P())))
+  args = [jax.ShapeDtypeStruct((2 * n,), dtype, sharding=jax.sharding.NamedSharding(mesh, P("x")))
+          for n, dtype in ((1024, jnp.float32), (2048, jnp.bfloat16))]
+  with fresh_communicator(kernels="triton") as comm, b12x_jax.channel("chain"):
+    text = lower_for_cuda(fn, args, monkeypatch)
+  calls = _calls(text)
+  assert [(kind, name) for kind, name, _, _ in calls] == [
+      ("__gpu$xla.gpu.triton", "b12x_all_reduce_lamport_chain"), ("b12x_all_reduce", "chain"),
+      ("__gpu$xla.gpu.triton", "b12x_all_reduce_lamport_chain")]
+  for kind, _, _, line in calls:
+    if kind == "b12x_all_reduce":
+      assert "has_side_effect = true" not in line
+    else:  # the channel in the kernel's metadata too
+      assert 'serialized_metadata = "{\\22b12x_channel\\22: \\22chain\\22}"' in line, line
+  assert [d.kernel for d in comm.decisions] == ["triton", "ffi", "triton"], comm.decisions
+  # Program order on the channel: each call is computed from the one before
+  # it (the bfloat16 call shares no data with the others: only the token).
+  results = [result for _, _, result, _ in calls]
+  assert _depends(text, results[1], results[0]) and _depends(text, results[2], results[1])
+  assert not _depends(text, results[0], results[1])
+
+
+def test_each_device_gets_its_own_addresses_and_the_generation_of_its_preparation(cpu_mesh):
+  mesh = cpu_mesh(2)
+  x = put_sharded(mesh, random_shards(np.random.default_rng(8), 2, 256, np.float32))
+  with fresh_communicator() as comm:
+    comm.prepare(mesh, "x", channels=["views"])
+    views = [_native.kernel_view("cpu", "views", "0,1", d.id, 1024) for d in mesh.devices.flat]
+    assert [v["rank"] for v in views] == [0, 1] and views[0]["lamport"] == views[1]["lamport"]
+    assert views[0]["signals"][0] != views[0]["signals"][1] and views[0]["generation"] > 0
+    assert (views[0]["algorithm"], views[0]["grid"], views[0]["packs"]) == (3, 1, 64)  # plan_for: Lamport
+    comm.release("views")
+    with b12x_jax.channel("views"):
+      _sum_fn(mesh)(x).block_until_ready()  # prepares it again: the same memory, a new generation
+    again = _native.kernel_view("cpu", "views", "0,1", 0, 1024)
+    assert again["lamport"] == views[0]["lamport"] and again["generation"] > views[0]["generation"]
