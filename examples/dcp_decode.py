@@ -25,7 +25,7 @@ import os
 import sys
 import time
 
-import _processes
+import _runner
 
 # Printed next to timings taken on emulated CPU devices, and shown by --help.
 CPU_TIMINGS = ("On CPU devices the timings measure the emulation (XLA:CPU devices and the host-memory backend "
@@ -42,11 +42,11 @@ parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16
 parser.add_argument("--repeats", type=int, default=10, help="timed executions per merge (the median is shown)")
 parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
 parser.add_argument("--plot", metavar="PATH", help="write a PNG of the timings (needs matplotlib)")
-_processes.add_arguments(parser)
+_runner.add_arguments(parser)
 args = parser.parse_args()
 # Emulated CPU devices, used only when fewer than --devices GPUs are present.
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={_processes.host_devices(args)}")
-_processes.launch_or_join(args)
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={_runner.host_devices(args)}")
+_runner.launch_or_join(args)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -150,21 +150,7 @@ def reference(q, k_new, v_new, k_cache, v_cache, lengths):
   return out.transpose(2, 0, 1, 3), lse.transpose(2, 0, 1)
 
 
-class Progress:
-  """A one-line bar on stderr when it is a terminal."""
-
-  def __init__(self, total: int):
-    self.total, self.done, self.shown = total, 0, sys.stderr.isatty()
-
-  def step(self, label: str) -> None:
-    self.done += 1
-    if self.shown:
-      bar = "#" * (30 * self.done // self.total)
-      end = "\n" if self.done == self.total else ""
-      print(f"\r  [{bar:30s}] {self.done}/{self.total} {label:30s}", end=end, file=sys.stderr, flush=True)
-
-
-def run(mesh, merge: str, steps, k_cache, v_cache, lengths, progress: Progress):
+def run(mesh, merge: str, steps, k_cache, v_cache, lengths, progress: _runner.Progress):
   """The first execution's out and lse, and the median seconds per decode step."""
   with b12x_jax.channel("decode"):
     loop = build(mesh, merge)
@@ -250,7 +236,7 @@ def main() -> None:
 
   # jax.lax.all_to_all (NCCL) cannot run between processes that share one GPU.
   merges = [m for m in MERGES if not (args.shared_gpu and m == "all_to_all")]
-  progress = Progress(len(merges) * (1 + args.repeats))
+  progress = _runner.Progress(len(merges) * (1 + args.repeats))
   seconds = {}
   for merge in merges:
     cache = [global_array(x, by_position) for x in (k_cache, v_cache)]  # donated: a fresh copy per merge

@@ -38,7 +38,7 @@ import sys
 import time
 from typing import Callable, NamedTuple
 
-import _processes
+import _runner
 
 # Printed next to timings taken on emulated CPU devices, and shown by --help.
 CPU_TIMINGS = ("On CPU devices the timings measure the emulation (XLA:CPU devices and the host-memory backend "
@@ -62,10 +62,10 @@ parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"
 parser.add_argument("--repeats", type=int, default=3, help="timed generations per variant (the median is shown)")
 parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompt")
 parser.add_argument("--plot", metavar="PATH", help="write a PNG of the timings (needs matplotlib)")
-_processes.add_arguments(parser)
+_runner.add_arguments(parser)
 args = parser.parse_args()
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={_processes.host_devices(args)}")
-_processes.launch_or_join(args)
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={_runner.host_devices(args)}")
+_runner.launch_or_join(args)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -371,20 +371,6 @@ def draft_of(params) -> dict:
   return {**params, "layers": jax.tree.map(lambda w: w[: args.draft_layers], params["layers"])}
 
 
-class Progress:
-  """A one-line bar on stderr when it is a terminal."""
-
-  def __init__(self, total: int):
-    self.total, self.done, self.shown = total, 0, sys.stderr.isatty()
-
-  def step(self, label: str) -> None:
-    self.done += 1
-    if self.shown:
-      bar = "#" * (30 * self.done // self.total)
-      end = "\n" if self.done == self.total else ""
-      print(f"\r  [{bar:30s}] {self.done}/{self.total} {label:40s}", end=end, file=sys.stderr, flush=True)
-
-
 class Timing(NamedTuple):
   tokens: np.ndarray
   rounds: int
@@ -392,7 +378,7 @@ class Timing(NamedTuple):
   seconds: float  # the median of the timed executions
 
 
-def time_variant(mesh, kind: str, target, draft, prompt, progress: Progress,
+def time_variant(mesh, kind: str, target, draft, prompt, progress: _runner.Progress,
                  replay_rounds: int | None = None) -> Timing:
   """Compiles and times the generation (or replay_rounds rounds) with the collectives of `kind`."""
   generate = lambda t, d, p: speculative_generate(t, d, p, COLLECTIVES[kind], args.k, args.new_tokens,  # noqa: E731
@@ -480,7 +466,7 @@ def main() -> None:
   # jax.lax collectives (NCCL) cannot run between processes that share one GPU.
   kinds = ("b12x",) if args.shared_gpu else ("b12x", "psum")
   comm = b12x_jax.get_communicator()
-  progress = Progress(len(kinds) * (1 + args.repeats) + (len(kinds) + 1) * (1 + args.repeats) + 1)
+  progress = _runner.Progress(len(kinds) * (1 + args.repeats) + (len(kinds) + 1) * (1 + args.repeats) + 1)
   # The generations, checked below; b12x first, and its channels' epochs: b12x calls completed.
   gen = {"b12x": time_variant(mesh, "b12x", target, draft, prompt, progress)}
   b12x_jax.check_errors()

@@ -1,7 +1,7 @@
-"""Runs an example as several jax.distributed processes on this host, one
-device (one b12x rank) each: the way a production server runs one process
-per GPU, and the one-GPU rig (every process on GPU 0, over CUDA IPC; start MPS
-first for speed) that checks the GPU protocols without a second GPU."""
+"""What the examples share: running as several jax.distributed processes on
+this host, one device (one b12x rank) each (the way a production server runs
+one process per GPU, and the one-GPU rig: every process on GPU 0, over CUDA
+IPC; start MPS first for speed), and a progress report."""
 
 from __future__ import annotations
 
@@ -68,3 +68,21 @@ def _launch(n: int) -> int:
     time.sleep(0.2)
   codes = [p.returncode for p in procs]
   return next((code for code in codes if code), 0)
+
+
+class Progress:
+  """A one-line bar on stderr when it is a terminal, else one line per step
+  with the seconds since the start (a log then shows where a run spends its
+  time, or where it stopped)."""
+
+  def __init__(self, total: int):
+    self.total, self.done, self.start = total, 0, time.monotonic()
+
+  def step(self, label: str) -> None:
+    self.done += 1
+    if sys.stderr.isatty():
+      bar = "#" * (30 * self.done // self.total)
+      end = "\n" if self.done == self.total else ""
+      print(f"\r  [{bar:30s}] {self.done}/{self.total} {label:40s}", end=end, file=sys.stderr, flush=True)
+    else:
+      print(f"  [{self.done}/{self.total}, {time.monotonic() - self.start:.1f} s] {label}", file=sys.stderr, flush=True)
