@@ -62,6 +62,17 @@ def test_auto_takes_the_ffi_kernel_off_cuda_and_ffi_is_the_default(cpu_mesh):
       assert why is None or why in comm.decisions[0].reason, comm.decisions
 
 
+def test_auto_takes_the_triton_kernel_on_cuda_for_loopback_groups_only(monkeypatch):
+  # Until the Triton kernel has passed across ranks (docs/DESIGN.md, "Triton kernels").
+  monkeypatch.setattr(b12x_jax.communicator.jax, "default_backend", lambda: "gpu")
+  comm = b12x_jax.Communicator(kernels="auto", loopback=True)
+  assert comm.choose_kernel("all_reduce", None, 1) == ("triton", "the Triton kernel (kernels='auto')")
+  kind, why = comm.choose_kernel("all_reduce", None, 2)
+  assert kind == "ffi" and "on loopback groups only" in why, why
+  assert comm.choose_kernel("all_reduce", "no Triton kernel for dtype bfloat16", 1)[0] == "ffi"
+  assert b12x_jax.Communicator(kernels="triton").choose_kernel("all_reduce", None, 2)[0] == "triton"
+
+
 def test_strict_refuses_triton_where_it_cannot_run(cpu_mesh):
   mesh = cpu_mesh(2)
   bf16 = put_sharded(mesh, random_shards(np.random.default_rng(7), 2, 256, jnp.bfloat16))
