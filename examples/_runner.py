@@ -86,3 +86,16 @@ class Progress:
       print(f"\r  [{bar:30s}] {self.done}/{self.total} {label:40s}", end=end, file=sys.stderr, flush=True)
     else:
       print(f"  [{self.done}/{self.total}, {time.monotonic() - self.start:.1f} s] {label}", file=sys.stderr, flush=True)
+
+
+def pyplot(path: str):
+  """matplotlib.pyplot on the Agg backend, or None (and a line saying that
+  no plot goes to ``path``) where matplotlib is not importable."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print(f"--plot {path}: matplotlib is not importable; no plot written")
+    return None
+  return plt

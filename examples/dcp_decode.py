@@ -180,12 +180,8 @@ def global_array(x: np.ndarray, sharding) -> jax.Array:
 
 def plot(path: str, platform: str, us_per_step: dict) -> None:
   """Bars of us per decode step for each merge."""
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    print(f"--plot {path}: matplotlib is not importable; no plot written")
+  plt = _runner.pyplot(path)
+  if plt is None:
     return
   fig, ax = plt.subplots(figsize=(6, 3.5))
   labels = {"b12x": "b12x_jax.dcp_a2a", "all_to_all": "all_to_all + merge", "none": "no merge"}

@@ -418,12 +418,8 @@ def check_args(n: int) -> None:
 
 def plot(path: str, platform: str, ms_per_token: dict, shares: dict) -> None:
   """Bars of ms per token of each kind of collective, labelled with the collectives' share."""
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    print(f"--plot {path}: matplotlib is not importable; no plot written")
+  plt = _runner.pyplot(path)
+  if plt is None:
     return
   fig, ax = plt.subplots(figsize=(6, 3.5))
   labels = {"b12x": "b12x_jax", "psum": "jax.lax.psum"}
