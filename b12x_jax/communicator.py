@@ -111,8 +111,8 @@ class Communicator:
       float32 in the Lamport window, on CUDA; docs/DESIGN.md "Triton
       kernels"), or "auto" (triton where such a kernel exists for the call,
       the default backend is CUDA and the group is a loopback group of one,
-      until the kernel has passed across ranks; else ffi). Both kinds interleave on
-      one channel. Where "triton" cannot run a call (another op, dtype or
+      until the kernel has passed across ranks; else ffi). Both kinds
+      interleave on one channel. Where "triton" cannot run a call (another op, dtype or
       size, a CPU lowering: Pallas Triton has no CPU path) the call takes the
       ffi kernel and the decision says why, under policies "auto" and
       "psum"; under "strict" that is an IneligibleError, as asked-for
