@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One command for the 2-GPU machine (no network): build in place, run the
 # GPU tests and the benchmarks, print a short summary. Logs go to $OUT when set.
-#   bash scripts/gpu_check.sh [all|tests|bench|perf|rig]
+#   bash scripts/gpu_check.sh [all|tests|bench|perf|rig|loopback]
 # (tests and bench are two halves that each fit the device's per-call limit;
 # perf is bench without the examples, the capture check and the multi-process benchmark;
-# rig runs the tests of 2, 4 and 8 processes sharing GPU 0 under MPS, for one-GPU machines)
+# rig runs the tests of 2, 4 and 8 processes sharing GPU 0 under MPS, for one-GPU machines;
+# loopback runs the one-GPU Triton tests and the FFI-vs-Triton loopback benchmark)
 set -uo pipefail
 PART=${1:-all}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -29,6 +30,14 @@ echo "built in $(( $(date +%s) - start )) s"
 $PY -c 'import b12x_jax, b12x_jax._b12x as m; print("extension:", m.__file__, "cuda:", m.has_cuda())'
 
 tests_rc=0 rig_rc=0 examples_rc=0
+if [ "$PART" = loopback ]; then
+echo "== one GPU: the Triton kernel through loopback (tests/gpu/test_triton_gpu.py), then the benchmark"
+timeout 240 $PY -m pytest tests/gpu/test_triton_gpu.py -m gpu -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/triton_tests.log" \
+  | grep -E "^(PASSED|FAILED|ERROR)|passed|failed" | sed 's/ - .*//'
+tests_rc=${PIPESTATUS[0]}
+timeout 240 $PY benchmarks/loopback_kernels.py 2>&1 | tee "$OUT/loopback_bench.log" | grep -v "^W\|^I"
+echo "== summary: triton loopback tests rc=$tests_rc"; exit $tests_rc
+fi
 if [ "$PART" = all ] || [ "$PART" = rig ]; then
 echo "== one-GPU rig: 2, 4 and 8 processes on GPU 0 under MPS (pytest -m gpu_rig)"
 start=$(date +%s)
