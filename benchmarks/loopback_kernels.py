@@ -16,6 +16,7 @@ channel (float32 takes the Triton kernel, bfloat16 the FFI one).
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 
 import jax
@@ -86,6 +87,8 @@ def main() -> None:
   add_timing_arguments(parser, devices=False)
   parser.set_defaults(ops=256, iters=30)
   args = parser.parse_args()
+  if jax.default_backend() != "gpu":
+    sys.exit(f"loopback_kernels.py needs a GPU (the Triton kernel has no {jax.default_backend()} path)")
   mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
   rng = np.random.default_rng(0)
   times: dict[int, dict[str, float]] = {size: {} for size in SIZES}
