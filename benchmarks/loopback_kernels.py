@@ -16,8 +16,8 @@ channel (float32 takes the Triton kernel, bfloat16 the FFI one).
 from __future__ import annotations
 
 import argparse
-import sys
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
