@@ -211,6 +211,20 @@ def optimization_barrier(values: list) -> list:
   return list(hlo.OptimizationBarrierOp(values).results)
 
 
+def vmap_axis_names() -> frozenset:
+  """The axis names that enclosing ``jax.vmap(..., axis_name=...)`` traces
+  of the current trace bind (its chain of parent traces). A name here that
+  is also a mesh axis names the vmap axis, as it does for psum."""
+  from jax._src import core
+  from jax._src.interpreters import batching
+  names, trace = set(), core.trace_ctx.trace
+  while trace is not None:
+    if isinstance(trace, batching.BatchTrace) and trace.axis_data.name is not None:
+      names.add(trace.axis_data.name)
+    trace = getattr(trace, "parent_trace", None)
+  return frozenset(names)
+
+
 def manual_axes() -> frozenset:
   """The mesh axes the enclosing jax.shard_map makes manual (empty outside
   one); a vmap axis name is not among them. Read from

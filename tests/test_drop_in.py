@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -85,6 +86,37 @@ def test_a_vmap_axis_name_takes_psum_and_says_why(cpu_mesh):
       b12x_jax.IneligibleError, match=r"b12x_jax.all_reduce: axis 'v' is not a jax.shard_map mesh axis"):
     _both(mesh, lambda r, v: jax.vmap(lambda row: r(row, "v"), axis_name="v")(v), x, out_specs=P("x"),
           check_vma=False)
+
+
+def test_a_vmap_axis_named_like_the_mesh_axis_means_the_vmap_axis_as_for_psum(cpu_mesh):
+  # Inside the vmap "x" names the vmap axis: psum sums the rows of each rank, not the ranks.
+  mesh = cpu_mesh(2)
+  x = _sharded(mesh, np.random.default_rng(21).standard_normal((2 * 4, 16)).astype(np.float32))
+  body = lambda r, v: jax.vmap(lambda row: r(row, "x"), axis_name="x")(v)  # noqa: E731
+  for inner in (lambda f: f, jax.jit):  # also where the vmapped function is a jitted one, traced under the vmap
+    with fresh_communicator() as comm, b12x_jax.channel("shadowed"):
+      ours, theirs = _both(mesh, lambda r, v: body(lambda a, n: inner(lambda b: r(b, n))(a), v), x, out_specs=P("x"),
+                           check_vma=False)
+      np.testing.assert_array_equal(ours, theirs)
+      assert "names a jax.vmap axis" in comm.decisions[-1].reason, comm.decisions
+  want = np.asarray(x).reshape(2, 4, 16).astype(np.float64).sum(1, keepdims=True)
+  np.testing.assert_allclose(ours.reshape(2, 4, 16), np.broadcast_to(want, (2, 4, 16)), rtol=1e-5, atol=1e-5)
+
+
+def test_a_call_batched_over_a_vmap_axis_of_its_own_axis_name_is_an_error(cpu_mesh):
+  # A function traced inside the shard_map, then vmapped over an axis of the same
+  # name: no check saw the vmap at trace time, the batching rule refuses.
+  mesh = cpu_mesh(2)
+  x = _sharded(mesh, np.random.default_rng(22).standard_normal((2 * 4, 16)).astype(np.float32))
+
+  def body(v):
+    traced = jax.make_jaxpr(lambda row: b12x_jax.all_reduce(row, "x"))(v[0])
+    return jax.vmap(jax.extend.core.jaxpr_as_fun(traced), axis_name="x")(v)[0]
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+  with fresh_communicator(), b12x_jax.channel("shadowed-late"), pytest.raises(
+      ValueError, match=r"b12x_jax.all_reduce: axis 'x' names both a jax.vmap axis and the mesh axis"):
+    fn.lower(x)
 
 
 def test_a_tuple_of_axes_and_axis_index_groups_match_psum(cpu_mesh):

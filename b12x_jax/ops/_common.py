@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import ad, mlir
+from jax.interpreters import ad, batching, mlir
 
 from b12x_jax import _compat, _native
 from b12x_jax.channels import channel_memory, channel_order
@@ -34,10 +34,31 @@ def why_not_a_mesh_axis(axis_name: str) -> tuple[str, str] | None:
   enclosing jax.shard_map (a ``vmap(..., axis_name=...)`` name): a channel
   is one group of devices, which only a mesh axis names. None for a mesh
   axis."""
+  if axis_name in _compat.vmap_axis_names():  # it shadows a mesh axis of that name
+    return (f"axis {axis_name!r} names a jax.vmap axis here", "Use a mesh axis of the enclosing jax.shard_map")
   if axis_name in _compat.manual_axes():
     return None
   return (f"axis {axis_name!r} is not a jax.shard_map mesh axis here (a vmap axis name?)",
           "Use a mesh axis of the enclosing jax.shard_map")
+
+
+def register_batcher(primitive: Primitive, op: str, rule: Callable) -> None:
+  """Batches ``primitive`` by ``rule(args, dims, **params)``. A call bound
+  under a ``vmap`` whose axis name is the call's axis (the op's fallback
+  check saw no vmap there: an inner function traced before the vmap
+  batched it) means the vmap axis, which no b12x channel serves: an error,
+  never a sum over the mesh axis of that name. Unbatched operands bind the
+  primitive as it is."""
+  def fancy_rule(axis_data, args, dims, *, axis_name: str, **params):
+    if axis_data.name == axis_name:
+      raise ValueError(f"b12x_jax.{op}: axis {axis_name!r} names both a jax.vmap axis and the mesh axis of the "
+                       f"call; give the vmap axis another name")
+    if all(d is None for d in dims):
+      outs = primitive.bind(*args, axis_name=axis_name, **params)
+      return outs, [None] * len(outs) if primitive.multiple_results else None
+    return rule(args, dims, axis_name=axis_name, **params)
+
+  batching.fancy_primitive_batchers[primitive] = fancy_rule
 
 
 def batch_size(args, dims) -> int:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import ad, batching
+from jax.interpreters import ad
 
 from b12x_jax import _compat, tuning
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import PACK_BYTES, get_communicator
 from b12x_jax.ops import _triton_lamport
-from b12x_jax.ops._common import axis_size, collective_primitive, why_not_a_mesh_axis
+from b12x_jax.ops._common import axis_size, collective_primitive, register_batcher, why_not_a_mesh_axis
 
 _OP = "all_reduce"
 _TARGET = "b12x_all_reduce"
@@ -222,4 +222,4 @@ def _batch(args, dims, *, axis_name: str, channel: str, algorithm: int, kernel: 
 
 all_reduce_p = collective_primitive(_TARGET, _OP, _abstract_eval, _psum_path)
 ad.deflinear2(all_reduce_p, _transpose)
-batching.primitive_batchers[all_reduce_p] = _batch
+register_batcher(all_reduce_p, _OP, _batch)

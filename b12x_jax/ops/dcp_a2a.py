@@ -11,7 +11,7 @@ from b12x_jax import _compat
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import PACK_BYTES, get_communicator
 from b12x_jax.ops._common import (axis_size, batch_size, collective_primitive, differentiate_by_fallback,
-                                  why_not_a_mesh_axis)
+                                  register_batcher, why_not_a_mesh_axis)
 
 _OP = "dcp_a2a"
 _TARGET = "b12x_dcp_a2a"
@@ -193,4 +193,4 @@ def _batch(args, dims, *, axis_name: str, channel: str, base2: bool, return_lse:
 dcp_a2a_p = collective_primitive(_TARGET, _OP, _abstract_eval, _all_to_all_path, _FALLBACK,
                                  multiple_results=True)
 differentiate_by_fallback(dcp_a2a_p, _all_to_all_path)
-batching.primitive_batchers[dcp_a2a_p] = _batch
+register_batcher(dcp_a2a_p, _OP, _batch)

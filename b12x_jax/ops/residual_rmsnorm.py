@@ -12,7 +12,7 @@ from b12x_jax import _compat, _native
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import PACK_BYTES, Decision, get_communicator
 from b12x_jax.ops._common import (axis_size, batch_size, collective_primitive, differentiate_by_fallback,
-                                  why_not_a_mesh_axis)
+                                  register_batcher, why_not_a_mesh_axis)
 from b12x_jax.ops.all_reduce import all_reduce
 
 _OP = "all_reduce_residual_rmsnorm"
@@ -175,4 +175,4 @@ def _batch(args, dims, *, axis_name: str, channel: str, eps: float):
 
 residual_rmsnorm_p = collective_primitive(_TARGET, _OP, _abstract_eval, _psum_path, multiple_results=True)
 differentiate_by_fallback(residual_rmsnorm_p, _psum_path)
-batching.primitive_batchers[residual_rmsnorm_p] = _batch
+register_batcher(residual_rmsnorm_p, _OP, _batch)
