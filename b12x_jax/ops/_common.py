@@ -31,15 +31,15 @@ def axis_size(axis_name: str, op: str) -> int:
 
 def why_not_a_mesh_axis(axis_name: str) -> tuple[str, str] | None:
   """(reason, fix) where ``axis_name`` is bound but is no mesh axis of the
-  enclosing jax.shard_map (a ``vmap(..., axis_name=...)`` name): a channel
-  is one group of devices, which only a mesh axis names. None for a mesh
-  axis."""
-  if axis_name in _compat.vmap_axis_names():  # it shadows a mesh axis of that name
-    return (f"axis {axis_name!r} names a jax.vmap axis here", "Use a mesh axis of the enclosing jax.shard_map")
-  if axis_name in _compat.manual_axes():
-    return None
-  return (f"axis {axis_name!r} is not a jax.shard_map mesh axis here (a vmap axis name?)",
-          "Use a mesh axis of the enclosing jax.shard_map")
+  enclosing jax.shard_map (a ``vmap(..., axis_name=...)`` name, also one
+  that shadows a mesh axis of the same name): a channel is one group of
+  devices, which only a mesh axis names. None for a mesh axis."""
+  fix = "Use a mesh axis of the enclosing jax.shard_map"
+  if axis_name not in _compat.manual_axes():
+    return f"axis {axis_name!r} is not a jax.shard_map mesh axis here (a vmap axis name?)", fix
+  if axis_name in _compat.vmap_axis_names():
+    return f"axis {axis_name!r} names a jax.vmap axis here, which shadows the mesh axis of that name", fix
+  return None
 
 
 def register_batcher(primitive: Primitive, op: str, rule: Callable) -> None:
