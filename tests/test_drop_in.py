@@ -211,6 +211,19 @@ def test_packs_fill_the_window_in_leaf_order_and_pad_leaves_strict_would_refuse_
                           out_specs=P())).lower(args[0])
 
 
+def test_packs_fit_capacity_bytes_too_where_it_is_below_the_lamport_window(cpu_mesh):
+  mesh = cpu_mesh(2)
+  tree = {k: _sharded(mesh, np.random.default_rng(23 + j).standard_normal((2, 200)).astype(np.float32))
+          for j, k in enumerate("ab")}  # 800 bytes a leaf, 1600 together
+  with fresh_communicator(capacity_bytes=1024, lamport_bytes=4096, policy="strict") as comm, \
+       b12x_jax.channel("small-capacity"):
+    got = jax.jit(jax.shard_map(lambda t: b12x_jax.all_reduce(t, "x"), mesh=mesh, in_specs=P("x"),
+                                out_specs=P()))(tree)
+    assert [d.path for d in comm.decisions] == ["b12x", "b12x"], comm.decisions  # a call each, none refused
+  for k, leaf in tree.items():
+    np.testing.assert_allclose(np.asarray(got[k])[0], np.asarray(leaf, np.float64).sum(0), rtol=1e-5, atol=1e-5)
+
+
 def test_grad_and_vmap_of_a_packed_pytree_match_psum(cpu_mesh):
   mesh = cpu_mesh(2)
   rng = np.random.default_rng(16)

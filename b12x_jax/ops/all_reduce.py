@@ -84,23 +84,24 @@ def all_reduce(x, axis_name, *, axis_index_groups=None, channel: str | None = No
 def _packs(leaves: list[jax.Array], axis_name, axis_index_groups) -> list[list[int]]:
   """The leaves (indices, in order) that are reduced together: small
   leaves of one dtype and one type (varying axes) whose padded total fits
-  the Lamport window share one call, the rest are a call each. Only where
+  the Lamport window and capacity_bytes share one call, the rest are a call each. Only where
   b12x can run the sum at all (one mesh axis, no groups, a supported
   dtype)."""
   comm = get_communicator()
   axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
   if len(leaves) == 1 or comm.policy == "psum" or _why_psum_only(axes, axis_index_groups) is not None:
     return [[i] for i in range(len(leaves))]
+  window = min(comm.lamport_bytes, comm.capacity_bytes)  # a pack is one call: it must fit both
   open_packs: dict[tuple, tuple[list[int], int]] = {}  # (dtype, varying axes) -> (indices, bytes)
   packs: list[list[int]] = []
   for i, leaf in enumerate(leaves):
     nbytes = leaf.size * leaf.dtype.itemsize
-    if leaf.dtype.name not in _PACKED_DTYPES or nbytes == 0 or _padded(nbytes) > comm.lamport_bytes:
+    if leaf.dtype.name not in _PACKED_DTYPES or nbytes == 0 or _padded(nbytes) > window:
       packs.append([i])
       continue
     key = (leaf.dtype, _compat.varying_axes(jax.typeof(leaf)))
     indices, total = open_packs.get(key, (None, 0))
-    if indices is None or _padded(total + nbytes) > comm.lamport_bytes:
+    if indices is None or _padded(total + nbytes) > window:
       indices, total = [], 0
       packs.append(indices)
     indices.append(i)
