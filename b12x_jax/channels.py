@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import re
 import threading
+import zlib
 from collections.abc import Iterator
 from typing import ClassVar
 
@@ -67,7 +68,11 @@ class ChannelOrder(_compat.effect_base()):
     return type(other) is type(self)
 
   def __hash__(self) -> int:
-    return hash((ChannelOrder, self.channel))
+    # The same in every process (str hashes are salted per process): JAX
+    # orders a program's tokens by iterating a set of effects, and every
+    # process must lower the same program (DESIGN "Call order"); XLA:GPU's
+    # sharded autotuning waits forever for peers whose module differs.
+    return zlib.crc32(f"b12x_jax.ChannelOrder/{self.channel}".encode())
 
   def __repr__(self) -> str:
     return f"ChannelOrder(channel={self.channel!r})"

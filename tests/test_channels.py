@@ -153,3 +153,34 @@ def test_a_platform_without_a_b12x_backend_lowers_every_op_to_its_fallback(cpu_m
   sm = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False))
   text = sm.trace(*args).lower(lowering_platforms=("rocm",)).as_text()  # the generic rule, not the CPU one
   assert "b12x_" not in text and ("all_reduce" in text or "all_to_all" in text), text[-2000:]
+
+
+_LOWER_SIX_CHANNELS = """
+import hashlib, jax, jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import b12x_jax
+mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+names = ["target", "draft", "c2", "c3", "c4", "c5"]
+def body(x):
+  return [b12x_jax.all_reduce(x * i, "x", channel=name) for i, name in enumerate(names)]
+f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P()))
+x = jax.ShapeDtypeStruct((128,), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, P("x")))
+print("PROGRAM", hashlib.sha256(f.trace(x).lower(lowering_platforms=("cuda",)).as_text().encode()).hexdigest())
+"""
+
+
+def test_every_process_lowers_the_same_program_whatever_its_hash_seed():
+  # Processes salt str hashes differently; JAX orders a program's tokens by
+  # iterating a set of effects. Different programs per process hang XLA:GPU's
+  # sharded autotuning and reorder XLA:CPU's schedules (DESIGN "Call order").
+  import os
+  import subprocess
+  import sys
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  programs = set()
+  for seed in ("0", "1", "2", "3"):
+    proc = subprocess.run([sys.executable, "-c", _LOWER_SIX_CHANNELS], capture_output=True, text=True,
+                          env={**env, "PYTHONHASHSEED": seed}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    programs.add(proc.stdout.split("PROGRAM ")[-1].strip())
+  assert len(programs) == 1, programs
