@@ -176,6 +176,10 @@ class Communicator:
     self._broken: dict[tuple[str, tuple[int, ...]], str] = {}
     # (platform, channel) -> the processes its groups shared with this one span.
     self._shared: dict[tuple[str, str], set[int]] = {}
+    # A shared group's preparation (platform, channel, partition, ordinals) -> the name
+    # every process gives it, and the records of each kind exchanged for it (exchange_records).
+    self._preparations: dict[tuple[str, str, str, tuple[int, ...]], str] = {}
+    self._records: dict[tuple[str, str], dict[int, bytes]] = {}
     self._closed = False
     self.generation = next(_generations)  # tells communicators apart in jit's cache key
     self._releases = 0
@@ -384,10 +388,32 @@ class Communicator:
         _native.prepare(platform, channel, partition, list(ordinals), options)
       else:
         group_key = "-".join(str(d.id) for d in group)  # global ids: the same name in every process
-        rendezvous.prepare_shared(platform, channel, partition, group_key, processes, list(ordinals), options,
-                                  self._settings(), self.setup_timeout_s)
+        self._preparations[(platform, channel, partition, ordinals)] = rendezvous.prepare_shared(
+            platform, channel, partition, group_key, processes, list(ordinals), options, self._settings(),
+            self.setup_timeout_s)
         self._shared.setdefault((platform, channel), set()).update(processes)
       self._groups.setdefault((platform, channel), []).append((partition, ordinals))
+
+  def exchange_records(self, channel: str, partition: str, group: Sequence, kind: str,
+                       local: dict[int, bytes]) -> dict[int, bytes]:
+    """Every rank's record of ``kind`` for ``group`` of the prepared
+    ``channel`` (rank -> bytes): ``local`` for this process's ranks, the
+    others' as their processes published them for the same preparation
+    (waiting up to setup_timeout_s for each). For what every process must
+    bake into the one program they all lower (the Triton kernel's address
+    table: DESIGN "Triton kernels"). Published once per preparation."""
+    platform, ordinals = _compat.platform_of(group), _ordinals(group)
+    with self._lock:
+      preparation = self._preparations.get((platform, channel, partition, ordinals))
+      if preparation is None:  # one process holds the group
+        return dict(local)
+      records = self._records.get((preparation, kind))
+      if records is None:
+        rendezvous.publish_records(preparation, kind, local)
+        records = self._records[(preparation, kind)] = dict(local)
+      missing = [rank for rank, ordinal in enumerate(ordinals) if ordinal < 0 and rank not in records]
+      records.update(rendezvous.fetch_records(preparation, kind, missing, self.setup_timeout_s))
+      return dict(records)
 
   def _settings(self) -> rendezvous.Settings:
     """What peers in other processes must share with this one (DESIGN C17)."""
@@ -464,6 +490,9 @@ class Communicator:
         if name != channel:
           continue
         del self._groups[(platform, name)]
+        for key in [k for k in self._preparations if k[:2] == (platform, name)]:
+          preparation = self._preparations.pop(key)
+          self._records = {k: r for k, r in self._records.items() if k[0] != preparation}
         processes = self._shared.pop((platform, name), None)
         if processes is None:
           _native.release(platform, channel)

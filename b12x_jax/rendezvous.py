@@ -216,7 +216,7 @@ _kept: list = []
 
 
 def prepare_shared(platform: str, channel: str, partition: str, group_key: str, processes: Sequence[int],
-                   ordinals: list[int], options, settings: Settings, setup_timeout_s: float) -> None:
+                   ordinals: list[int], options, settings: Settings, setup_timeout_s: float) -> str:
   """Prepares this process's ranks of a channel group that spans
   ``processes`` (``ordinals[r]`` is -1 for a rank another process holds),
   collectively, in three steps, each ending with a verdict:
@@ -237,7 +237,8 @@ def prepare_shared(platform: str, channel: str, partition: str, group_key: str, 
   error (DESIGN C17). On success the group is installed and handlers find
   it. Each step waits at most ``setup_timeout_s`` for the peers;
   ``options`` are a native ChannelOptions (``_native.channel_options``),
-  ``settings`` the Communicator's that peers must share."""
+  ``settings`` the Communicator's that peers must share. Returns the name
+  every process gives this preparation (for ``publish_records``)."""
   session = Session(f"prepare/{platform}/{channel}/{group_key}", processes, setup_timeout_s)
   pending, problem = _attempt(lambda: _native.share(platform, channel, partition, ordinals, options))
   own = None
@@ -281,6 +282,29 @@ def prepare_shared(platform: str, channel: str, partition: str, group_key: str, 
     pending.free()
     raise
   pending.install()
+  return session.prefix
+
+
+def publish_records(preparation: str, kind: str, records: dict[int, bytes]) -> None:
+  """Publishes each local rank's record of ``kind`` (rank -> bytes) for the
+  ``preparation`` prepare_shared named; once per preparation and kind."""
+  for rank, record in records.items():
+    _compat.kv_set_bytes(f"{preparation}/{kind}/{rank}", record)
+
+
+def fetch_records(preparation: str, kind: str, ranks: Sequence[int], timeout_s: float) -> dict[int, bytes]:
+  """The records of ``kind`` that the processes of ``ranks`` published for
+  ``preparation``, waiting up to ``timeout_s`` for each."""
+  out = {}
+  for rank in ranks:
+    record = _compat.kv_get_bytes(f"{preparation}/{kind}/{rank}", timeout_s)
+    if record is None:
+      raise CollectiveTimeoutError(
+          f"b12x_jax: {preparation}: rank {rank}'s {kind} was not published within {timeout_s:g} s: its process "
+          f"did not lower the same program (every process must lower the same programs with the same "
+          f"Communicator settings), or is slow (raise Communicator(setup_timeout_s=...))")
+    out[rank] = record
+  return out
 
 
 def release_shared(platform: str, channel: str, processes: Sequence[int], timeout_s: float) -> None:

@@ -749,7 +749,44 @@ def triton_mode(args) -> dict:
   return {"hashes": hashes, "epoch": comm.stats("wrap", jax.local_devices()[0])["epoch"]}
 
 
-MODES = {"drop_in": drop_in_mode, "all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
+def same_program_mode(args) -> dict:
+  """Lowers for CUDA (on CPU: the channels are CPU groups, the addresses
+  theirs) a program of two channels with Triton and FFI calls, and returns
+  the hash of its text and the rows of the baked address table: every
+  process must lower the same program (DESIGN "Call order", "Triton
+  kernels"), with every device's row in its table."""
+  import re
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax._src.pallas.triton import pallas_call_registration
+  from jax.experimental.pallas import triton as plt
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  pallas_call_registration.gpu_info_lib.get_gpu_info = lambda: plt.get_gpu_info_from_version(plt.GpuVersion.H200)
+  comm = _communicator(args, kernels="triton")
+  b12x_jax.set_communicator(comm)
+  mesh = _mesh()
+
+  def body(x, y):
+    with b12x_jax.channel("draft"):
+      d = b12x_jax.all_reduce(y, "x")
+    return b12x_jax.all_reduce(x, "x"), d, b12x_jax.all_reduce(x.astype(jnp.bfloat16), "x")
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=(P("x"),) * 3))
+  spec = jax.ShapeDtypeStruct((jax.device_count() * 1024,), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+  with b12x_jax.channel("target"):
+    text = fn.trace(spec, spec).lower(lowering_platforms=("cuda",)).as_text()
+  tables = [np.frombuffer(bytes.fromhex(h), np.int32).reshape(-1, 64)
+            for h in re.findall(r'dense<"0x([0-9A-F]+)"> : tensor<%dx64xi32>' % jax.device_count(), text)]
+  return {"program": hashlib.sha256(text.encode()).hexdigest(), "kernels": [d.kernel for d in comm.decisions],
+          "tables": len(tables),
+          "rows_filled": [[bool(row.any()) for row in table] for table in tables]}
+
+
+MODES = {"same_program": same_program_mode, "drop_in": drop_in_mode, "all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
          "never_joins": never_joins_mode, "close_twice": close_twice_mode, "throwaway": throwaway_mode,
          "exit_pending": exit_pending_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,
          "residual_rmsnorm": residual_rmsnorm_mode, "never_calls": never_calls_mode, "reprepare": reprepare_mode,

@@ -233,3 +233,12 @@ def check_drop_in(results: list[dict], rig: bool = False) -> None:
 @pytest.mark.parametrize("n", [2, 4])
 def test_the_drop_in_cases_across_processes_match_float64(multiprocess, n):
   check_drop_in(multiprocess("drop_in", n))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_every_process_lowers_one_program_with_every_devices_triton_addresses(multiprocess, n):
+  results = multiprocess("same_program", n)
+  assert len({r["program"] for r in results}) == 1, results
+  for r in results:
+    assert r["kernels"][:3] == ["triton", "triton", "ffi"] and r["tables"] == 2, r
+    assert r["rows_filled"] == [[True] * n] * 2, r

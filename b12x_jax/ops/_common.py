@@ -121,7 +121,9 @@ def triton_lowering(ctx, op: str, channel: str, groups, platform: str) -> Callab
   (docs/DESIGN.md, "Triton kernels"), or None where it cannot run here: the
   FFI kernel of the same protocol takes the call, and the decision says why
   (an error under policy "strict"). Reads every local device's kernel view
-  of the prepared channel and bakes its row of addresses into the program."""
+  of the prepared channel, gets the other processes' rows
+  (Communicator.exchange_records) and bakes the whole table into the
+  program; each device picks its row by its mesh position."""
   from b12x_jax.ops import _triton_lamport as triton
 
   comm = get_communicator()
@@ -133,21 +135,32 @@ def triton_lowering(ctx, op: str, channel: str, groups, platform: str) -> Callab
                                 "automatic (the kernel picks its addresses by its position on every axis)")
   (aval,) = ctx.avals_in
   nbytes = int(np.prod(aval.shape)) * aval.dtype.itemsize
+  # Every process bakes every device's row (its own mapping of its peers):
+  # the table is a constant of the one program every process lowers
+  # (DESIGN "Call order"), so each group spans the mesh's processes.
+  processes = {d.process_index for d in devices.flat}
+  if any({d.process_index for d in group} != processes for group in groups):
+    return comm.kernel_fallback(op, channel, "a device group of the axis leaves out a process of the mesh (each "
+                                "process bakes every device's addresses into the program they all lower)")
   partition = partition_key(groups)
   table = np.zeros((devices.size, triton.ROW_WORDS), np.int32)
   plans = set()
   position = {d.id: i for i, d in enumerate(devices.flat)}
   for group in groups:
+    local = {}
     for device in group:
       if device.process_index != jax.process_index():
-        continue  # its process bakes its own row
+        continue
       view = _native.kernel_view(_compat.platform_of(group), channel, partition, _compat.device_ordinal(device),
                                  nbytes)
       problem = triton.plan_problem(view)
       if problem is not None:
         return comm.kernel_fallback(op, channel, problem)
       plans.add(triton.make_plan(view))
-      table[position[device.id]] = triton.table_row(view)
+      local[view["rank"]] = triton.table_row(view).tobytes()
+    rows = comm.exchange_records(channel, partition, group, "triton_row", local)
+    for rank, device in enumerate(group):
+      table[position[device.id]] = np.frombuffer(rows[rank], np.int32)
   (plan,) = plans  # every group of the partition has the same options and size
   poison = comm.poison_outputs
 
