@@ -109,14 +109,14 @@ class Communicator:
       native kernels, every op and size), "triton" (the Pallas Triton kernel
       of the same wire protocol, which XLA launches itself: all_reduce of
       float32 in the Lamport window, on CUDA; docs/DESIGN.md "Triton
-      kernels"), or "auto" (triton where such a kernel exists for the call,
-      the default backend is CUDA and the group is a loopback group of one,
-      until the kernel has passed across ranks; else ffi). Both kinds
-      interleave on one channel. Where "triton" cannot run a call (another op, dtype or
+      kernels"), or "auto" (triton where such a kernel exists for the call
+      and the default backend is CUDA, else ffi). Both kinds interleave on
+      one channel. Where "triton" cannot run a call (another op, dtype or
       size, a CPU lowering: Pallas Triton has no CPU path) the call takes the
       ffi kernel and the decision says why, under policies "auto" and
       "psum"; under "strict" that is an IneligibleError, as asked-for
-      behaviour that cannot be had. Processes may differ in this setting.
+      behaviour that cannot be had. Every process of a group must have the
+      same setting (it changes the program they all lower).
     loopback: for benchmarks and tests only: a mesh axis of one device runs
       the b12x protocol as a group of one whose peer is itself (its payload
       goes through channel memory by the same stores, polls, reduction and
@@ -228,14 +228,12 @@ class Communicator:
       return self.record(Decision(op, channel, "b12x", reason, kernel=kind))
     return self.outside_window(op, channel, reason, fix, fallback)
 
-  def choose_kernel(self, op: str, why_no_triton: str | None, world: int) -> tuple[str, str]:
-    """The kernel kind of a b12x call over ``world`` ranks by ``kernels``,
-    and why: "triton" where asked for (or, under "auto", where the default
-    backend is CUDA and the group is a loopback group of one: the Triton
-    kernel has not yet passed across ranks, docs/DESIGN.md "Triton
-    kernels") and ``why_no_triton`` is None (a Triton kernel exists for the
-    call), else "ffi". Under policy "strict", kernels="triton" for a call
-    without a Triton kernel raises IneligibleError."""
+  def choose_kernel(self, op: str, why_no_triton: str | None) -> tuple[str, str]:
+    """The kernel kind of a b12x call by ``kernels``, and why: "triton"
+    where asked for (or, under "auto", where the default backend is CUDA)
+    and ``why_no_triton`` is None (a Triton kernel exists for the call),
+    else "ffi". Under policy "strict", kernels="triton" for a call without a
+    Triton kernel raises IneligibleError."""
     if self.kernels == "ffi":
       return "ffi", ""
     if why_no_triton is not None:
@@ -244,9 +242,6 @@ class Communicator:
       return "ffi", f"the ffi kernel: {why_no_triton}"
     if self.kernels == "auto" and jax.default_backend() != "gpu":
       return "ffi", f"the ffi kernel: kernels='auto' and the default backend is {jax.default_backend()}"
-    if self.kernels == "auto" and world > 1:
-      return "ffi", ("the ffi kernel: kernels='auto' takes the Triton kernel on loopback groups only, until it "
-                     "has passed across ranks")
     return "triton", f"the Triton kernel (kernels={self.kernels!r})"
 
   def kernel_fallback(self, op: str, channel: str, reason: str) -> None:
@@ -418,7 +413,7 @@ class Communicator:
   def _settings(self) -> rendezvous.Settings:
     """What peers in other processes must share with this one (DESIGN C17)."""
     return rendezvous.Settings(self.algorithm, self.policy, self.capacity_bytes, self.lamport_bytes,
-                               self.max_blocks or 0, self.timeout_s, self.poison_outputs)
+                               self.max_blocks or 0, self.timeout_s, self.poison_outputs, self.kernels)
 
   # -- inspection --------------------------------------------------------------
 

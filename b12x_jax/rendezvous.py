@@ -23,14 +23,14 @@ from b12x_jax import _compat, _native
 from b12x_jax.errors import B12xError, ChannelError, CollectiveTimeoutError, TransportError
 
 FRAME_MAGIC = b"B12X"
-FRAME_VERSION = 2
+FRAME_VERSION = 3
 # magic, version, platform, poison_outputs, rank, world, process,
 # block_bytes, lamport_block_bytes, max_blocks (the layout), capacity_bytes,
 # lamport_bytes, max_blocks, timeout_s (the settings), then the lengths of the
-# channel name, host, algorithm, policy and payload; then those four strings
-# (UTF-8) and the payload. Little-endian, no padding: the same bytes on every
+# channel name, host, algorithm, policy, kernels and payload; then those five
+# strings (UTF-8) and the payload. Little-endian, no padding: the same bytes on every
 # host.
-_HEADER = struct.Struct("<4sHBBiiiQQiQQidHHBBI")
+_HEADER = struct.Struct("<4sHBBiiiQQiQQidHHBBBI")
 _VERSION = struct.Struct("<4sH")  # the part every version shares
 _PLATFORMS = ("cpu", "cuda")
 # Overrides the host identity (host_id): tests make two local processes look
@@ -72,6 +72,9 @@ class Settings:
   max_blocks: int = dataclasses.field(metadata={"fix": _SAME_COMMUNICATOR.format("max_blocks")})  # 0: as many as fit
   timeout_s: float = dataclasses.field(metadata={"fix": _SAME_COMMUNICATOR.format("timeout_s")})
   poison_outputs: bool = dataclasses.field(metadata={"fix": _SAME_COMMUNICATOR.format("poison_outputs")})
+  # Each process bakes its kernels' choice into the program they all lower:
+  # programs that differ hang XLA:GPU's sharded autotuning (DESIGN "Call order").
+  kernels: str = dataclasses.field(metadata={"fix": _SAME_COMMUNICATOR.format("kernels")})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +93,7 @@ class Frame:
 
   def encode(self) -> bytes:
     s = self.settings
-    strings = [v.encode() for v in (self.channel, self.host, s.algorithm, s.policy)]
+    strings = [v.encode() for v in (self.channel, self.host, s.algorithm, s.policy, s.kernels)]
     return _HEADER.pack(FRAME_MAGIC, FRAME_VERSION, _PLATFORMS.index(self.platform), s.poison_outputs, self.rank,
                         self.world, self.process, *self.layout, s.capacity_bytes, s.lamport_bytes, s.max_blocks,
                         s.timeout_s, *map(len, strings), len(self.payload)) + b"".join(strings) + self.payload
@@ -114,10 +117,10 @@ class Frame:
     for length in lengths:
       fields.append(data[at:at + length])
       at += length
-    channel, host, algorithm, policy = (f.decode() for f in fields[:4])
-    settings = Settings(algorithm, policy, capacity, lamport, max_blocks, timeout_s, bool(poison))
+    channel, host, algorithm, policy, kernels = (f.decode() for f in fields[:5])
+    settings = Settings(algorithm, policy, capacity, lamport, max_blocks, timeout_s, bool(poison), kernels)
     return cls(_PLATFORMS[platform], channel, rank, world, process, host, settings, (block, lamport_block, blocks),
-               fields[4])
+               fields[5])
 
   def check_peer(self, peer: Frame, rank: int) -> None:
     """Raises ChannelError naming the field where ``peer``, published as

@@ -3,12 +3,13 @@ one GPU, through loopback (docs/DESIGN.md, "Loopback"): a group of one
 whose peer is itself runs every step of the exchange (pushes to the "peer"
 buffers, polls, sum, refill), so both kernel kinds are timed in one run.
 
-Each measurement is one executable of `--ops` chained float32 all_reduces
-(each consumes the previous result), the median per op over `--iters`
-runs (b12x_jax.tuning.per_op_us). Before timing, every size is checked:
-the result of a loopback all_reduce is its input, bit for bit, and the
-epoch advances once per call; then FFI and Triton calls interleave on one
-channel (float32 takes the Triton kernel, bfloat16 the FFI one).
+Each measurement is one executable of `--ops` chained all_reduces (each
+consumes the previous result) of float32 or bfloat16, the median per op
+over `--iters` runs (b12x_jax.tuning.per_op_us). Before timing, every size
+and dtype is checked: the result of a loopback all_reduce is its input, bit
+for bit, and the epoch advances once per call; then FFI and Triton calls
+interleave on one channel (float32 takes the Triton kernel, float16 the
+FFI one).
 
   python benchmarks/loopback_kernels.py [--json out.json]
 """
@@ -28,6 +29,11 @@ from jax.sharding import PartitionSpec as P
 import b12x_jax
 
 SIZES = [1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20]
+DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16}
+
+
+def random(rng, nbytes: int, dtype: str) -> np.ndarray:
+  return rng.standard_normal(nbytes // np.dtype(DTYPES[dtype]).itemsize).astype(np.float32).astype(DTYPES[dtype])
 
 
 def put(mesh, x):
@@ -43,25 +49,26 @@ def chained(mesh, ops: int):
 
 
 def check(mesh, comm, kernels: str, rng) -> None:
-  """Every size, twice (two Lamport buffers), against its input; the epoch
-  counts every call."""
+  """Every size and dtype, three times (every Lamport buffer), against its
+  input, bit for bit; the epoch counts every call."""
   one = chained(mesh, 1)
   device = mesh.devices.flat[0]
   comm.prepare(mesh, "x", channels=[f"check-{kernels}"])
   with b12x_jax.channel(f"check-{kernels}"):
-    for size in SIZES:
-      for _ in range(3):
-        x = rng.standard_normal(size // 4).astype(np.float32)
-        before = comm.stats(f"check-{kernels}", device)["epoch"]
-        got = np.asarray(one(put(mesh, x)))
-        assert got.view(np.uint32).tolist() == x.view(np.uint32).tolist(), (kernels, size)
-        assert comm.decisions[-1].kernel == kernels, comm.decisions[-1]
-        assert comm.stats(f"check-{kernels}", device)["epoch"] == before + 1, (kernels, size)
+    for dtype in DTYPES:
+      for size in SIZES:
+        for _ in range(3):
+          x = random(rng, size, dtype)
+          before = comm.stats(f"check-{kernels}", device)["epoch"]
+          got = np.asarray(one(put(mesh, x)))
+          assert got.view(np.uint8).tolist() == x.view(np.uint8).tolist(), (kernels, dtype, size)
+          assert comm.decisions[-1].kernel == kernels, comm.decisions[-1]
+          assert comm.stats(f"check-{kernels}", device)["epoch"] == before + 1, (kernels, dtype, size)
   comm.check_errors()
 
 
 def interleave(mesh, comm, rng) -> None:
-  """float32 (Triton) and bfloat16 (FFI) calls in turn on one channel."""
+  """float32 (Triton) and float16 (FFI) calls in turn on one channel."""
   def body(x, y):
     for _ in range(8):
       x = b12x_jax.all_reduce(x, "x")
@@ -71,7 +78,7 @@ def interleave(mesh, comm, rng) -> None:
   with b12x_jax.channel("mixed"):
     for _ in range(3):
       x = rng.standard_normal(4096).astype(np.float32)
-      y = rng.standard_normal(4096).astype(np.float32).astype(jnp.bfloat16)
+      y = rng.standard_normal(4096).astype(np.float16)
       gx, gy = fn(put(mesh, x), put(mesh, y))
       assert np.array_equal(np.asarray(gx).view(np.uint32), x.view(np.uint32))
       assert np.array_equal(np.asarray(gy).view(np.uint16), np.asarray(y).view(np.uint16))
@@ -91,7 +98,7 @@ def main() -> None:
     sys.exit(f"loopback_kernels.py needs a GPU (the Triton kernel has no {jax.default_backend()} path)")
   mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
   rng = np.random.default_rng(0)
-  times: dict[int, dict[str, float]] = {size: {} for size in SIZES}
+  times: dict[tuple[str, int], dict[str, float]] = {(d, size): {} for d in DTYPES for size in SIZES}
   for kernels in ("ffi", "triton"):
     comm = b12x_jax.Communicator(loopback=True, kernels=kernels)
     b12x_jax.get_communicator().close()
@@ -101,20 +108,19 @@ def main() -> None:
       interleave(mesh, comm, rng)
     fn = chained(mesh, args.ops)
     with b12x_jax.channel(f"time-{kernels}"):
-      for size in SIZES:
-        x = put(mesh, rng.standard_normal(size // 4).astype(np.float32))
-        times[size][kernels] = per_op_us(lambda: fn(x), args.ops, args.iters)
+      for dtype, size in times:
+        x = put(mesh, random(rng, size, dtype))
+        times[dtype, size][kernels] = per_op_us(lambda: fn(x), args.ops, args.iters)
     comm.check_errors()
     comm.close()
-  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, loopback, float32, {args.ops} chained ops, "
+  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, loopback, {args.ops} chained ops, "
         f"median of {args.iters}")
-  print(f"{'size':>8} {'ffi us':>8} {'triton us':>10} {'ffi - triton':>13}")
-  for size in SIZES:
-    t = times[size]
-    print(f"{size_label(size):>8} {t['ffi']:8.2f} {t['triton']:10.2f} {t['ffi'] - t['triton']:13.2f}")
+  print(f"{'dtype':>9} {'size':>8} {'ffi us':>8} {'triton us':>10} {'ffi - triton':>13}")
+  for (dtype, size), t in times.items():
+    print(f"{dtype:>9} {size_label(size):>8} {t['ffi']:8.2f} {t['triton']:10.2f} {t['ffi'] - t['triton']:13.2f}")
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({str(k): v for k, v in times.items()}, f, indent=1)
+      json.dump({f"{d}/{k}": v for (d, k), v in times.items()}, f, indent=1)
 
 
 if __name__ == "__main__":

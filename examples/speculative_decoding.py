@@ -381,7 +381,8 @@ class Timing(NamedTuple):
 def time_variant(mesh, kind: str, target, draft, prompt, progress: _runner.Progress,
                  replay_rounds: int | None = None) -> Timing:
   """Compiles and times the generation (or replay_rounds rounds) with the collectives of `kind`."""
-  generate = lambda t, d, p: speculative_generate(t, d, p, COLLECTIVES[kind], args.k, args.new_tokens,  # noqa: E731
+  collectives = COLLECTIVES[kind.split("-")[0]]  # "b12x-triton": b12x's, under another Communicator
+  generate = lambda t, d, p: speculative_generate(t, d, p, collectives, args.k, args.new_tokens,  # noqa: E731
                                                   replay_rounds)
   # The "none" variant leaves per-rank values where the sums are invariant
   # over the axis, so only the real variants let shard_map check that.
@@ -422,9 +423,9 @@ def plot(path: str, platform: str, ms_per_token: dict, shares: dict) -> None:
   if plt is None:
     return
   fig, ax = plt.subplots(figsize=(6, 3.5))
-  labels = {"b12x": "b12x_jax", "psum": "jax.lax.psum"}
-  bars = ax.bar([labels[k] for k in ms_per_token], list(ms_per_token.values()),
-                color=["tab:blue", "tab:orange"][: len(ms_per_token)])
+  labels = {"b12x": "b12x_jax", "b12x-triton": "b12x_jax (Triton)", "psum": "jax.lax.psum"}
+  colors = {"b12x": "tab:blue", "b12x-triton": "tab:green", "psum": "tab:orange"}
+  bars = ax.bar([labels[k] for k in ms_per_token], list(ms_per_token.values()), color=[colors[k] for k in ms_per_token])
   for bar, share in zip(bars, shares.values()):
     ax.annotate(f"collectives {share:.0%} of a round", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                 ha="center", va="bottom", fontsize=8)
@@ -459,20 +460,29 @@ def main() -> None:
         f"{args.vocab}, {args.dtype}; batch {args.batch}, prompt {args.prompt}, k={args.k}, {args.new_tokens} new "
         f"tokens")
 
-  # jax.lax collectives (NCCL) cannot run between processes that share one GPU.
-  kinds = ("b12x",) if args.shared_gpu else ("b12x", "psum")
+  # b12x with each kernel kind on GPUs (Pallas Triton has no CPU path), then
+  # psum: jax.lax collectives (NCCL) cannot run between processes that share one GPU.
+  b12x_kinds = ("b12x", "b12x-triton") if devices[0].platform == "gpu" else ("b12x",)
+  kinds = b12x_kinds if args.shared_gpu else (*b12x_kinds, "psum")
   comm = b12x_jax.get_communicator()
   progress = _runner.Progress(len(kinds) * (1 + args.repeats) + (len(kinds) + 1) * (1 + args.repeats) + 1)
-  # The generations, checked below; b12x first, and its channels' epochs: b12x calls completed.
-  gen = {"b12x": time_variant(mesh, "b12x", target, draft, prompt, progress)}
-  b12x_jax.check_errors()
-  epochs = {ch: comm.stats(ch, local)["epoch"] for ch in ("target", "draft")}
-  paths = sorted({f"{d.op} {d.path}" for d in comm.decisions if d.channel in ("target", "draft")})
-  gen.update({kind: time_variant(mesh, kind, target, draft, prompt, progress) for kind in kinds[1:]})
-  # A round's time with each kind of collective, and with none (the share of the collectives).
-  rounds = {kind: time_variant(mesh, kind, target, draft, prompt, progress, REPLAY_ROUNDS)
-            for kind in (*kinds, "none")}
-  b12x_jax.check_errors()
+  # Each variant's generation (checked below) and a round's time, and a
+  # round's time with no collective (the share of the collectives).
+  gen, rounds, kernels = {}, {}, {}
+  for kind in kinds:
+    if kind == "b12x-triton":  # a Communicator of its own: the channels of the first are released
+      comm.close()
+      b12x_jax.set_communicator(b12x_jax.Communicator(kernels="triton"))
+    gen[kind] = time_variant(mesh, kind, target, draft, prompt, progress)
+    b12x_jax.check_errors()
+    if kind == "b12x":  # its channels' epochs: b12x calls completed
+      epochs = {ch: comm.stats(ch, local)["epoch"] for ch in ("target", "draft")}
+      paths = sorted({f"{d.op} {d.path}" for d in comm.decisions if d.channel in ("target", "draft")})
+    rounds[kind] = time_variant(mesh, kind, target, draft, prompt, progress, REPLAY_ROUNDS)
+    b12x_jax.check_errors()
+    if kind.startswith("b12x"):
+      kernels[kind] = sorted({f"{d.op} {d.kernel}" for d in b12x_jax.get_communicator().decisions if d.kernel})
+  rounds["none"] = time_variant(mesh, "none", target, draft, prompt, progress, REPLAY_ROUNDS)
 
   # The reference on this process's device alone: the same weights drawn whole
   # (random draws do not depend on the sharding), every shard the whole model.
@@ -498,12 +508,12 @@ def main() -> None:
   def row(label: str, values, fmt: str) -> None:
     print(f"{label:36s}" + "".join(f"{v:{fmt}}" for v in values))
 
-  row("", kinds, ">10s")
-  row("ms per token (latency)", [gen[k].seconds / args.new_tokens * 1e3 for k in kinds], "10.3f")
-  row("tokens/s", [args.batch * args.new_tokens / gen[k].seconds for k in kinds], "10.1f")
-  row("ms per round (k drafts + verify)", [ms_per_round[k] for k in kinds], "10.3f")
+  row("", kinds, ">13s")
+  row("ms per token (latency)", [gen[k].seconds / args.new_tokens * 1e3 for k in kinds], "13.3f")
+  row("tokens/s", [args.batch * args.new_tokens / gen[k].seconds for k in kinds], "13.1f")
+  row("ms per round (k drafts + verify)", [ms_per_round[k] for k in kinds], "13.3f")
   print(f"{'':36s}(no collectives: {ms_per_round['none']:.3f})")
-  row("collectives share of a round", [share[k] for k in kinds], "10.0%")
+  row("collectives share of a round", [share[k] for k in kinds], "13.0%")
   print(f"  share = 1 - (the round with every collective replaced by a local op) / (the round); rounds timed "
         f"{REPLAY_ROUNDS} at a time")
   if args.shared_gpu:
@@ -514,6 +524,8 @@ def main() -> None:
   print(f"b12x channel epochs per generation: target {epochs['target'] / generations:.0f}, draft "
         f"{epochs['draft'] / generations:.0f} (the model's count: {target_calls} and {draft_calls})")
   print(f"paths taken by the b12x calls (comm.decisions): {', '.join(paths)}")
+  for kind, taken in kernels.items():
+    print(f"kernels of {kind}: {', '.join(taken)}")
   print(f"acceptance {b12x.accepted / (b12x.rounds * args.k):.0%} ({b12x.accepted}/{b12x.rounds * args.k} "
         f"draft tokens), {args.new_tokens / b12x.rounds:.2f} tokens per round")
   if devices[0].platform == "cpu":

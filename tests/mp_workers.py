@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import sys
@@ -690,10 +691,10 @@ def drop_in_mode(args) -> dict:
 
 def triton_mode(args) -> dict:
   """The Triton Lamport all_reduce across processes (docs/DESIGN.md, "Triton
-  kernels"): float32 at power-of-two sizes up to 256 KiB, twice
+  kernels"): float32 and bfloat16 at power-of-two sizes up to 256 KiB, twice
   each, against float64 with poisoned outputs, then the same inputs on the
   FFI kernel, which must give the same bits; Triton (float32) and FFI
-  (bfloat16) calls interleaved on one channel in one program; and Triton
+  (float16) calls interleaved on one channel in one program; and Triton
   calls across the uint32 wrap of the counters (the hook, a barrier, then
   the calls). Returns the hashes, compared across processes by the test."""
   import jax
@@ -710,20 +711,21 @@ def triton_mode(args) -> dict:
     ours = _reducer(mesh, b12x_jax.all_reduce)
     rng = np.random.default_rng(0)  # the same shards for both kinds, in every process
     with b12x_jax.channel("tri"):
-      for nbytes in (16, 4096, 65536, 256 << 10):  # one tile per program at max_blocks 64 // 8
-        hashes[f"{kernels}/{nbytes}"] = [_check(ours, mesh, rng, nbytes // 4, "float32") for _ in range(2)]
+      for dtype, nbytes in itertools.product(("float32", "bfloat16"), (16, 4096, 65536, 256 << 10)):
+        elems = nbytes // np.dtype(DTYPES[dtype]).itemsize
+        hashes[f"{kernels}/{dtype}/{nbytes}"] = [_check(ours, mesh, rng, elems, dtype) for _ in range(2)]
     assert {d.kernel for d in comm.decisions} == {kernels}, comm.decisions
     b12x_jax.check_errors()
     comm.close()
-  for nbytes in (16, 4096, 65536, 256 << 10):
-    assert hashes[f"triton/{nbytes}"] == hashes[f"ffi/{nbytes}"], nbytes  # the FFI path's bits
+  for key in [k for k in hashes if k.startswith("triton/")]:
+    assert hashes[key] == hashes[key.replace("triton/", "ffi/")], key  # the FFI path's bits
 
   comm = _communicator(args, kernels="triton", poison_outputs=True)
   b12x_jax.set_communicator(comm)
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  def body(*xs):  # float32, bfloat16, float32, bfloat16: one channel, in this order
+  def body(*xs):  # float32, float16, float32, float16: one channel, in this order
     return tuple(b12x_jax.all_reduce(x, "x") for x in xs)
   spec = (P("x"),) * 4
   mixed = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
@@ -731,9 +733,9 @@ def triton_mode(args) -> dict:
   me, n = jax.process_index(), jax.device_count()
   with b12x_jax.channel("mixed"):
     for _ in range(3):
-      shards = [random_shards(rng, n, 2048, DTYPES[d]) for d in ("float32", "bfloat16", "float32", "bfloat16")]
+      shards = [random_shards(rng, n, 2048, DTYPES[d]) for d in ("float32", "float16", "float32", "float16")]
       outs = mixed(*[jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), s[me]) for s in shards])
-      for got, s, d in zip(outs, shards, ("float32", "bfloat16", "float32", "bfloat16")):
+      for got, s, d in zip(outs, shards, ("float32", "float16", "float32", "float16")):
         assert_sum_matches(np.asarray(got.addressable_shards[0].data)[None], s, d)
   assert [d.kernel for d in comm.decisions[:4]] == ["triton", "ffi", "triton", "ffi"], comm.decisions
   assert comm.stats("mixed", jax.local_devices()[0])["epoch"] == 12
@@ -744,7 +746,7 @@ def triton_mode(args) -> dict:
   ours = _reducer(mesh, b12x_jax.all_reduce)
   rng = np.random.default_rng(1)
   with b12x_jax.channel("wrap"):
-    hashes["wrap"] = [_check(ours, mesh, rng, 1024, "float32") for _ in range(10)]
+    hashes["wrap"] = [_check(ours, mesh, rng, 1024, ("float32", "bfloat16")[i % 2]) for i in range(10)]
   b12x_jax.check_errors()
   return {"hashes": hashes, "epoch": comm.stats("wrap", jax.local_devices()[0])["epoch"]}
 
@@ -752,7 +754,7 @@ def triton_mode(args) -> dict:
 def same_program_mode(args) -> dict:
   """Lowers for CUDA (on CPU: the channels are CPU groups, the addresses
   theirs) a program of two channels with Triton and FFI calls, and returns
-  the hash of its text and the rows of the baked address table: every
+  the hash of its text and the rows of the baked address tables: every
   process must lower the same program (DESIGN "Call order", "Triton
   kernels"), with every device's row in its table."""
   import re
@@ -773,8 +775,8 @@ def same_program_mode(args) -> dict:
 
   def body(x, y):
     with b12x_jax.channel("draft"):
-      d = b12x_jax.all_reduce(y, "x")
-    return b12x_jax.all_reduce(x, "x"), d, b12x_jax.all_reduce(x.astype(jnp.bfloat16), "x")
+      d = b12x_jax.all_reduce(y.astype(jnp.bfloat16), "x")
+    return b12x_jax.all_reduce(x, "x"), d, b12x_jax.all_reduce(x.astype(jnp.float16), "x")
   fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=(P("x"),) * 3))
   spec = jax.ShapeDtypeStruct((jax.device_count() * 1024,), jnp.float32, sharding=NamedSharding(mesh, P("x")))
   with b12x_jax.channel("target"):

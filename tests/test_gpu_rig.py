@@ -91,7 +91,7 @@ def test_the_lamport_and_barrier_paths_are_right_across_the_counter_wrap(gpu_rig
 def test_the_triton_kernel_matches_float64_the_ffi_bits_and_interleaves_with_ffi_calls(gpu_rig, n, graphs):
   results = gpu_rig("triton", n, env=GRAPHS_OFF if graphs == "off" else None, hard_timeout=240,
                     communicator={"timeout_s": 5.0, "setup_timeout_s": 20.0})  # a failure fails fast
-  assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == 9, results
+  assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == 17, results
   assert {r["epoch"] for r in results} == {(2 * (2**32 - 5) + 10) % 2**32}, results  # both counters wrapped
 
 

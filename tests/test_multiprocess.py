@@ -128,7 +128,7 @@ def _settings(multiprocess, *communicators: dict, env=None) -> list[dict]:
 @pytest.mark.parametrize("setting, values", [
     ("algorithm", ("two_shot", "one_shot")), ("capacity_bytes", (1 << 20, 2 << 20)),
     ("lamport_bytes", (1 << 20, 0)), ("timeout_s", (2.0, 3.0)), ("max_blocks", (8, 16)),
-    ("poison_outputs", (False, True))])
+    ("poison_outputs", (False, True)), ("kernels", ("ffi", "triton"))])
 def test_processes_that_disagree_on_a_setting_all_raise_naming_it_and_both_values(multiprocess, setting, values):
   results = _settings(multiprocess, *({setting: v} for v in values))
   want = rf"process 0 has {setting}={values[0]!r}, process 1 has {setting}={values[1]!r}: pass the same " \
@@ -172,7 +172,7 @@ def test_one_process_of_three_that_disagrees_makes_all_three_raise(multiprocess)
 
 
 def test_a_frame_survives_encoding_and_a_frame_of_another_version_is_refused():
-  settings = rendezvous.Settings("two_shot", "strict", 1 << 20, 4096, 16, 2.5, True)
+  settings = rendezvous.Settings("two_shot", "strict", 1 << 20, 4096, 16, 2.5, True, "auto")
   frame = rendezvous.Frame("cuda", "target", 1, 4, 3, "node-a (boot)", settings, (4096, 1024, 16), b"\x00handle")
   assert rendezvous.Frame.decode(frame.encode()) == frame
   older = bytearray(frame.encode())

@@ -33,7 +33,8 @@ def test_kernels_must_be_one_of_the_kinds():
 
 @pytest.mark.parametrize("dtype, nbytes, kind, why", [
     (np.float32, 4096, "triton", "the Triton kernel (kernels='triton')"),
-    (jnp.bfloat16, 4096, "ffi", "no Triton kernel for dtype bfloat16"),
+    (jnp.bfloat16, 4096, "triton", "the Triton kernel (kernels='triton')"),
+    (np.float16, 4096, "ffi", "no Triton kernel for dtype float16"),
     (np.float32, 2 << 20, "ffi", "above the Lamport window of 1048576 bytes"),
 ])
 def test_the_decision_says_which_kernel_a_call_got_and_why(cpu_mesh, dtype, nbytes, kind, why):
@@ -62,25 +63,23 @@ def test_auto_takes_the_ffi_kernel_off_cuda_and_ffi_is_the_default(cpu_mesh):
       assert why is None or why in comm.decisions[0].reason, comm.decisions
 
 
-def test_auto_takes_the_triton_kernel_on_cuda_for_loopback_groups_only(monkeypatch):
-  # Until the Triton kernel has passed across ranks (docs/DESIGN.md, "Triton kernels").
+def test_auto_takes_the_triton_kernel_on_cuda_where_one_exists(monkeypatch):
   monkeypatch.setattr(b12x_jax.communicator.jax, "default_backend", lambda: "gpu")
-  comm = b12x_jax.Communicator(kernels="auto", loopback=True)
-  assert comm.choose_kernel("all_reduce", None, 1) == ("triton", "the Triton kernel (kernels='auto')")
-  kind, why = comm.choose_kernel("all_reduce", None, 2)
-  assert kind == "ffi" and "on loopback groups only" in why, why
-  assert comm.choose_kernel("all_reduce", "no Triton kernel for dtype bfloat16", 1)[0] == "ffi"
-  assert b12x_jax.Communicator(kernels="triton").choose_kernel("all_reduce", None, 2)[0] == "triton"
+  comm = b12x_jax.Communicator(kernels="auto")
+  assert comm.choose_kernel("all_reduce", None) == ("triton", "the Triton kernel (kernels='auto')")
+  kind, why = comm.choose_kernel("all_reduce", "no Triton kernel for dtype float16")
+  assert kind == "ffi" and why == "the ffi kernel: no Triton kernel for dtype float16", why
+  assert b12x_jax.Communicator(kernels="triton").choose_kernel("all_reduce", None)[0] == "triton"
 
 
 def test_strict_refuses_triton_where_it_cannot_run(cpu_mesh):
   mesh = cpu_mesh(2)
-  bf16 = put_sharded(mesh, random_shards(np.random.default_rng(7), 2, 256, jnp.bfloat16))
+  f16 = put_sharded(mesh, random_shards(np.random.default_rng(7), 2, 256, np.float16))
   f32 = put_sharded(mesh, random_shards(np.random.default_rng(7), 2, 256, np.float32))
   with fresh_communicator(kernels="triton", policy="strict"), b12x_jax.channel("strict"):
     b12x_jax.get_communicator().prepare(mesh, "x", channels=["strict"])
-    with pytest.raises(b12x_jax.IneligibleError, match=r"kernels='triton' but no Triton kernel for dtype bfloat16"):
-      _sum_fn(mesh)(bf16)
+    with pytest.raises(b12x_jax.IneligibleError, match=r"kernels='triton' but no Triton kernel for dtype float16"):
+      _sum_fn(mesh)(f16)
     with pytest.raises(b12x_jax.IneligibleError, match=r"kernels='triton' but Pallas Triton has no cpu path"):
       _sum_fn(mesh)(f32)
 
@@ -121,12 +120,12 @@ def test_the_cuda_lowering_chains_triton_and_ffi_calls_on_one_token(cpu_mesh, mo
 
   def body(x, y):
     x = b12x_jax.all_reduce(x, "x")  # float32: Triton
-    y = b12x_jax.all_reduce(y, "x")  # bfloat16: FFI, independent of x but for the channel's token
+    y = b12x_jax.all_reduce(y, "x")  # float16: FFI, independent of x but for the channel's token
     return b12x_jax.all_reduce(x * 2, "x"), y
 
   fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=(P(), P())))
   args = [jax.ShapeDtypeStruct((2 * n,), dtype, sharding=jax.sharding.NamedSharding(mesh, P("x")))
-          for n, dtype in ((1024, jnp.float32), (2048, jnp.bfloat16))]
+          for n, dtype in ((1024, jnp.float32), (2048, jnp.float16))]
   with fresh_communicator(kernels="triton") as comm, b12x_jax.channel("chain"):
     text = lower_for_cuda(fn, args, monkeypatch)
   calls = _calls(text)
@@ -140,7 +139,7 @@ def test_the_cuda_lowering_chains_triton_and_ffi_calls_on_one_token(cpu_mesh, mo
       assert 'serialized_metadata = "{\\22b12x_channel\\22: \\22chain\\22}"' in line, line
   assert [d.kernel for d in comm.decisions] == ["triton", "ffi", "triton"], comm.decisions
   # Program order on the channel: each call is computed from the one before
-  # it (the bfloat16 call shares no data with the others: only the token).
+  # it (the float16 call shares no data with the others: only the token).
   results = [result for _, _, result, _ in calls]
   assert _depends(text, results[1], results[0]) and _depends(text, results[2], results[1])
   assert not _depends(text, results[0], results[1])

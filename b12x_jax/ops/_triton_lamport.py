@@ -85,14 +85,22 @@ class Plan:
   error_complete: int
 
 
+# The dtypes the kernel sums, and the NaN each leaves in a 32-bit word where
+# a call fails: float32's, and a pair of bfloat16's (CUDA's NaN of
+# __float2bfloat16_rn, so that failed outputs look alike on both kernels).
+_DTYPES = {"float32": 0x7FC00000, "bfloat16": 0x7FFF7FFF}
+
+
 def why_not(op: str, dtype, nbytes: int, window: int) -> str | None:
   """Why no Triton kernel takes this call (decided at trace time), or None.
   What only the prepared channel knows (its plan) is checked by
   ``plan_problem`` when lowering."""
   if op != "all_reduce":
     return f"no Triton kernel for {op}"
-  if np.dtype(dtype) != np.float32:
-    return f"no Triton kernel for dtype {np.dtype(dtype).name} (float32 only)"
+  if np.dtype(dtype).name not in _DTYPES:
+    return f"no Triton kernel for dtype {np.dtype(dtype).name} (float32 and bfloat16 only)"
+  if nbytes % 4:
+    return f"the payload of {nbytes} bytes is not a whole number of 32-bit words (the Triton kernel's unit)"
   if nbytes > window:
     return f"the payload of {nbytes} bytes is above the Lamport window of {window} bytes"
   return None
@@ -174,7 +182,23 @@ def _record_asm(error_offsets: dict, poisoned_offset: int, complete: int) -> str
           "mov.u32 $0, 0; }")  # 0, as every store's result: it joins `sink`
 
 
-def _kernel(plan: Plan, table_ref, x_ref, y_ref):
+def _halves(words: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The two bfloat16 values of each 32-bit word (low half first, as they
+  sit in memory), exactly, as float32: a bfloat16 is a float32's high half."""
+  to_f32 = lambda w: jax.lax.bitcast_convert_type(w, jnp.float32)  # noqa: E731
+  return to_f32(jax.lax.shift_left(words, jnp.int32(16))), to_f32(words & jnp.int32(-65536))
+
+
+def _bfloat16_bits(f: jax.Array) -> jax.Array:
+  """The bfloat16 bits (in the low 16 of an int32) nearest float32 ``f``,
+  ties to even, as CUDA's __float2bfloat16_rn (NaN: 0x7FFF)."""
+  bits = jax.lax.bitcast_convert_type(f, _U32)
+  lsb = jax.lax.shift_right_logical(bits, jnp.int32(16)) & 1
+  rounded = jax.lax.shift_right_logical(bits + (0x7FFF + lsb), jnp.int32(16)) & 0xFFFF
+  return jnp.where(f != f, jnp.int32(0x7FFF), rounded)
+
+
+def _kernel(plan: Plan, dtype: str, table_ref, x_ref, y_ref):
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plt
 
@@ -243,8 +267,7 @@ def _kernel(plan: Plan, table_ref, x_ref, y_ref):
   tag_words = jnp.full((W,), plan.tag[3], _U32)  # word k of the tag at lanes k, k + 4, ...
   for k in (2, 1, 0):
     tag_words = jnp.where((lanes & 3) == k, jnp.full((W,), plan.tag[k], _U32), tag_words)
-  x = x_ref[...]
-  x_words = jax.lax.bitcast_convert_type(x, _U32)
+  x_words = x_ref[...]
   empty = jnp.full((W,), plan.empty_word, _U32)
   wire = jnp.where(x_words == empty, jnp.full((W,), plan.nan_word, _U32), x_words)
 
@@ -328,12 +351,21 @@ def _kernel(plan: Plan, table_ref, x_ref, y_ref):
                     *[jnp.int32(t) for t in plan.tag], *seen, generation, jnp.broadcast_to(it, (W,)))
   done = jnp.logical_and(go, jnp.logical_not(jnp.logical_or(timed_out, mismatch)))
 
-  # 5. The sum in rank order 0..N-1, fp32 from 0 (numeric.h sum_in_rank_order):
-  #    this rank's own part from its input, except under loopback.
-  total = jnp.zeros((W,), jnp.float32)
-  for q in sources:
-    received = jax.lax.bitcast_convert_type(cells[q], jnp.float32)
-    total = total + (received if plan.loopback else jnp.where(rank == q, x, received))  # channel.h from_own_input
+  # 5. The sum in rank order 0..N-1, fp32 from 0, rounded once (numeric.h
+  #    sum_in_rank_order): this rank's own part from its input, except under
+  #    loopback (channel.h from_own_input).
+  parts = [cells[q] if plan.loopback else jnp.where(rank == q, x_words, cells[q]) for q in sources]
+  if dtype == "float32":
+    total = jnp.zeros((W,), jnp.float32)
+    for part in parts:
+      total = total + jax.lax.bitcast_convert_type(part, jnp.float32)
+    total_words = jax.lax.bitcast_convert_type(total, _U32)
+  else:
+    low, high = jnp.zeros((W,), jnp.float32), jnp.zeros((W,), jnp.float32)
+    for part in parts:
+      part_low, part_high = _halves(part)
+      low, high = low + part_low, high + part_high
+    total_words = _bfloat16_bits(low) | jax.lax.shift_left(_bfloat16_bits(high), jnp.int32(16))
 
   # 6. Refill the cells and headers of B(k - 1) this block read in its
   #    previous call (lamport.h lamport_refill), then advance (lamport_advance).
@@ -362,29 +394,31 @@ def _kernel(plan: Plan, table_ref, x_ref, y_ref):
 
   # 7. NaN where the call could not finish (C8); `sink` (always 0) keeps every store.
   failed_or_kept = jnp.logical_or(jnp.logical_not(done), sink != zero)
-  y_ref[...] = jnp.where(failed_or_kept, jnp.float32(jnp.nan), total)
+  y_ref[...] = jnp.where(failed_or_kept, jnp.int32(_signed(_DTYPES[dtype])), total_words)
 
 
 def all_reduce(x: jax.Array, row: jax.Array, plan: Plan, *, channel: str, poison: bool) -> jax.Array:
-  """The Triton Lamport all_reduce of float32 ``x`` on the channel whose
-  table ``row`` (this device's) and ``plan`` were baked at lowering."""
+  """The Triton Lamport all_reduce of ``x`` (float32 or bfloat16) on the
+  channel whose table ``row`` (this device's) and ``plan`` were baked at
+  lowering. The kernel moves and returns 32-bit words, as the wire does."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plt
 
-  flat = x.reshape(-1)
+  dtype = np.dtype(x.dtype).name
+  flat = jax.lax.bitcast_convert_type(x.reshape(-1) if dtype == "float32" else x.reshape(-1, 2), _U32)
   W = plan.block_words
   spec = pl.BlockSpec((W,), lambda i: (i,))
   operands, aliases = [row, flat], {}
   in_specs = [pl.BlockSpec((ROW_WORDS,), lambda i: (0,)), spec]
   if poison:  # poison_outputs: NaN in every element the kernel does not write
-    operands.append(jnp.full_like(flat, jnp.nan))
+    operands.append(jnp.full_like(flat, _signed(_DTYPES[dtype])))
     in_specs.append(spec)
     aliases = {2: 0}
 
   def kernel(table_ref, x_ref, *refs):  # refs: (the poisoned output,) and the output
-    _kernel(plan, table_ref, x_ref, refs[-1])
+    _kernel(plan, dtype, table_ref, x_ref, refs[-1])
   y = pl.pallas_call(kernel, out_shape=_compat.shape_dtype_like(flat), grid=(plan.grid,),
                      in_specs=in_specs, out_specs=spec, input_output_aliases=aliases,
                      compiler_params=plt.CompilerParams(num_warps=4 if W <= 1024 else 8, num_stages=1),
                      name=f"b12x_all_reduce_lamport_{channel}", metadata={"b12x_channel": channel})(*operands)
-  return y.reshape(x.shape)
+  return jax.lax.bitcast_convert_type(y, x.dtype).reshape(x.shape)

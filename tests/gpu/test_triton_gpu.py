@@ -2,7 +2,7 @@
 "Loopback", "Triton kernels"; marked gpu, skipped without a GPU): a group
 of one whose peer is itself runs the kernel's whole protocol. Its result is
 its input, bit for bit, at every power-of-two size of the Lamport window,
-with poisoned outputs; Triton and FFI calls interleave on one channel; the
+float32 and bfloat16, with poisoned outputs; Triton and FFI calls interleave on one channel; the
 kernel is right across the counter wrap; and an executable lowered before
 a release never runs on the channel's memory afterwards: NaN outputs and an
 error from check_errors, after the release and after the next preparation.
@@ -41,13 +41,14 @@ def _same_bits(got, want) -> bool:
   return np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
 
 
-def test_every_size_comes_back_bit_for_bit_with_poisoned_outputs():
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_every_size_comes_back_bit_for_bit_with_poisoned_outputs(dtype):
   mesh = _mesh()
   rng = np.random.default_rng(11)
   with fresh_communicator(loopback=True, kernels="triton", poison_outputs=True) as comm, b12x_jax.channel("sizes"):
     for size in SIZES:
       for call in range(3):  # three calls: every Lamport buffer
-        x = rng.standard_normal(size // 4).astype(np.float32)
+        x = rng.standard_normal(size // np.dtype(dtype).itemsize).astype(np.float32).astype(dtype)
         assert _same_bits(_sum(mesh)(_put(mesh, x)), x), (size, call)
     assert {d.kernel for d in comm.decisions} == {"triton"}, comm.decisions
     assert comm.stats("sizes", mesh.devices.flat[0])["epoch"] == 3 * len(SIZES)
@@ -67,7 +68,7 @@ def test_triton_and_ffi_calls_interleave_on_one_channel():
   with fresh_communicator(loopback=True, kernels="triton") as comm, b12x_jax.channel("mixed"):
     for _ in range(3):
       x = rng.standard_normal(2048).astype(np.float32)
-      y = rng.standard_normal(4096).astype(np.float32).astype(jnp.bfloat16)
+      y = rng.standard_normal(4096).astype(np.float16)  # no Triton kernel: FFI
       gx, gy = fn(_put(mesh, x), _put(mesh, y))
       assert _same_bits(gx, x) and _same_bits(gy, y)
     assert [d.kernel for d in comm.decisions] == ["triton", "ffi"] * 4, comm.decisions
