@@ -9,9 +9,13 @@ over `--iters` runs (b12x_jax.tuning.per_op_us). Before timing, every size
 and dtype is checked: the result of a loopback all_reduce is its input, bit
 for bit, and the epoch advances once per call; then FFI and Triton calls
 interleave on one channel (float32 takes the Triton kernel, float16 the
-FFI one).
+FFI one). Then the fused all_reduce + residual + RMSNorm, bfloat16, chained
+(each call's normed output and new residual feed the next), on each kernel
+kind, against all_reduce on the same kind followed by the add and the norm
+in jnp, at hidden 4096 and 8192 and 1, 8 and 64 rows (outputs checked
+against float64 first).
 
-  python benchmarks/loopback_kernels.py [--json out.json]
+  python benchmarks/loopback_kernels.py [--json out.json] [--skip-fused]
 """
 
 from __future__ import annotations
@@ -88,10 +92,54 @@ def interleave(mesh, comm, rng) -> None:
   comm.check_errors()
 
 
+FUSED_SHAPES = [(rows, hidden) for hidden in (4096, 8192) for rows in (1, 8, 64)]
+
+
+def _add_and_norm(total, residual, weight, eps=1e-6):
+  new_residual = (total.astype(jnp.float32) + residual.astype(jnp.float32)).astype(total.dtype)
+  r = new_residual.astype(jnp.float32)
+  normed = r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + eps) * weight.astype(jnp.float32)
+  return normed.astype(total.dtype), new_residual
+
+
+def chained_fused(mesh, ops: int, fused: bool):
+  def body(x, residual, weight):
+    for _ in range(ops):
+      if fused:
+        x, residual = b12x_jax.all_reduce_residual_rmsnorm(x, residual, weight, "x")
+      else:
+        x, residual = _add_and_norm(b12x_jax.all_reduce(x, "x"), residual, weight)
+    return x, residual
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P()), out_specs=(P("x"), P())))
+
+
+def time_fused(mesh, kernels: str, args, rng) -> dict[tuple[int, int], dict[str, float]]:
+  """us per op of the fused op and of all_reduce + jnp on ``kernels``;
+  each shape's one-op results checked against float64 first."""
+  times = {}
+  with b12x_jax.channel(f"fused-{kernels}"):
+    for rows, hidden in FUSED_SHAPES:
+      x, residual = (rng.standard_normal((rows, hidden)).astype(jnp.bfloat16) for _ in range(2))
+      weight = (1 + 0.1 * rng.standard_normal(hidden)).astype(jnp.bfloat16)
+      args_on = (put(mesh, x), jnp.asarray(residual), jnp.asarray(weight))
+      normed, new_residual = (np.asarray(o) for o in chained_fused(mesh, 1, True)(*args_on))
+      # bfloat16: within a few roundings of float64 (the tests bound it tighter).
+      want = x.astype(np.float64) + residual.astype(np.float64)
+      assert np.allclose(new_residual.astype(np.float64), want, rtol=1e-2, atol=1e-2), (kernels, rows, hidden)
+      r = new_residual.astype(np.float64)
+      want = r / np.sqrt(np.mean(r * r, -1, keepdims=True) + 1e-6) * weight.astype(np.float64)
+      assert np.allclose(normed.astype(np.float64), want, rtol=2e-2, atol=2e-2), (kernels, rows, hidden)
+      times[rows, hidden] = {f"{name} {kernels}": per_op_us(lambda: fn(*args_on), args.ops, args.iters)
+                             for name, fn in (("fused", chained_fused(mesh, args.ops, True)),
+                                              ("unfused", chained_fused(mesh, args.ops, False)))}
+  return times
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   add_timing_arguments(parser, devices=False)
+  parser.add_argument("--skip-fused", action="store_true", help="time all_reduce only")
   parser.set_defaults(ops=256, iters=30)
   args = parser.parse_args()
   if jax.default_backend() != "gpu":
@@ -99,6 +147,7 @@ def main() -> None:
   mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
   rng = np.random.default_rng(0)
   times: dict[tuple[str, int], dict[str, float]] = {(d, size): {} for d in DTYPES for size in SIZES}
+  fused: dict[tuple[int, int], dict[str, float]] = {shape: {} for shape in FUSED_SHAPES}
   for kernels in ("ffi", "triton"):
     comm = b12x_jax.Communicator(loopback=True, kernels=kernels)
     b12x_jax.get_communicator().close()
@@ -111,6 +160,9 @@ def main() -> None:
       for dtype, size in times:
         x = put(mesh, random(rng, size, dtype))
         times[dtype, size][kernels] = per_op_us(lambda: fn(x), args.ops, args.iters)
+    if not args.skip_fused:
+      for shape, row in time_fused(mesh, kernels, args, rng).items():
+        fused[shape].update(row)
     comm.check_errors()
     comm.close()
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, loopback, {args.ops} chained ops, "
@@ -118,9 +170,18 @@ def main() -> None:
   print(f"{'dtype':>9} {'size':>8} {'ffi us':>8} {'triton us':>10} {'ffi - triton':>13}")
   for (dtype, size), t in times.items():
     print(f"{dtype:>9} {size_label(size):>8} {t['ffi']:8.2f} {t['triton']:10.2f} {t['ffi'] - t['triton']:13.2f}")
+  if not args.skip_fused:
+    print("\nall_reduce + residual + RMSNorm, bfloat16, us per op (unfused: all_reduce on the same kernel kind, "
+          "then jnp)")
+    columns = ["fused ffi", "unfused ffi", "fused triton", "unfused triton"]
+    print(f"{'rows x hidden':>14} " + " ".join(f"{c:>14}" for c in columns) + f" {'unfused/fused triton':>21}")
+    for (rows, hidden), t in fused.items():
+      print(f"{f'{rows} x {hidden}':>14} " + " ".join(f"{t[c]:14.2f}" for c in columns) +
+            f" {t['unfused triton'] / t['fused triton']:20.2f}x")
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({f"{d}/{k}": v for (d, k), v in times.items()}, f, indent=1)
+      json.dump({**{f"{d}/{k}": v for (d, k), v in times.items()},
+                 **{f"fused/{r}x{h}": v for (r, h), v in fused.items()}}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -282,6 +282,7 @@ NB_MODULE(_b12x, m) {
     out["packs"] = plan.packs;
     out["per_block"] = plan.per_block;
     out["tag_op"] = static_cast<uint32_t>(Op::kAllReduce);
+    out["tag_op_residual_rmsnorm"] = static_cast<uint32_t>(Op::kResidualRmsnorm);
     out["empty_word"] = kLamportEmptyWord;
     out["nan_word"] = kLamportNaNWord;
     out["buffers"] = kLamportBuffers;

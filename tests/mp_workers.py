@@ -201,7 +201,9 @@ def residual_rmsnorm_mode(args) -> dict:
   """all_reduce_residual_rmsnorm across processes: each process feeds its
   own shard of x (residual and weight are the same everywhere) and checks
   its results against float64, for each dtype and a few shapes, on fresh
-  inputs. Returns the hashes of the results, for the test to compare."""
+  inputs. Returns the hashes of the results, for the test to compare, and
+  the kernel kinds each call's decisions name (at trace time, and a
+  lowering's fallback)."""
   import jax
   import numpy as np
   from jax.sharding import NamedSharding
@@ -214,10 +216,11 @@ def residual_rmsnorm_mode(args) -> dict:
   mesh = _mesh()
   fn, me, eps = residual_rmsnorm_fn(mesh), jax.process_index(), 1e-6
   rng = np.random.default_rng(6)  # the same inputs in every process
-  hashes = {}
+  hashes, kernels = {}, {}
   with b12x_jax.channel("mp_fused"):
     for dtype_name in DTYPES:
       for rows, hidden in [(1, 4096), (8, 1024), (5, 2048)]:  # inside the Lamport cells of 64 blocks
+        decided = len(comm.decisions)
         shards, residual, weight = residual_rmsnorm_inputs(rng, jax.device_count(), rows, hidden, dtype_name)
         x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), shards[me:me + 1])
         r, w = (jax.make_array_from_process_local_data(NamedSharding(mesh, P()), a) for a in (residual, weight))
@@ -226,8 +229,9 @@ def residual_rmsnorm_mode(args) -> dict:
         fused = [d for d in comm.decisions if d.op == "all_reduce_residual_rmsnorm"][-1]
         assert fused.path == "b12x", fused
         hashes[f"{dtype_name}/{rows}x{hidden}"] = hashlib.sha256(normed.tobytes() + new_residual.tobytes()).hexdigest()
+        kernels[f"{dtype_name}/{rows}x{hidden}"] = [d.kernel for d in comm.decisions[decided:]]
   b12x_jax.check_errors()
-  return {"hashes": hashes}
+  return {"hashes": hashes, "kernels": kernels}
 
 
 def never_calls_mode(args) -> dict:

@@ -42,6 +42,15 @@ def test_the_fused_op_matches_float64_with_identical_bits(gpu_rig, n):
 
 
 @pytest.mark.parametrize("n", WORLDS)
+def test_the_triton_fused_op_matches_float64_with_identical_bits(gpu_rig, n):
+  results = gpu_rig("residual_rmsnorm", n, communicator={"poison_outputs": True, "kernels": "triton",
+                                                          "timeout_s": 5.0, "setup_timeout_s": 20.0})
+  assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == 9
+  for case, kinds in results[0]["kernels"].items():  # float16 has no Triton kernel: the FFI one ran it
+    assert kinds == (["ffi"] if case.startswith("float16") else ["triton"]), (case, kinds)
+
+
+@pytest.mark.parametrize("n", WORLDS)
 def test_the_drop_in_cases_match_float64(gpu_rig, n):
   # grad, jvp, vmap of each op, a packed pytree on CUDA; the psum cases (NCCL: not on one GPU) only lowered
   check_drop_in(gpu_rig("drop_in", n), rig=True)

@@ -159,3 +159,54 @@ def test_each_device_gets_its_own_addresses_and_the_generation_of_its_preparatio
       _sum_fn(mesh)(x).block_until_ready()  # prepares it again: the same memory, a new generation
     again = _native.kernel_view("cpu", "views", "0,1", 0, 1024)
     assert again["lamport"] == views[0]["lamport"] and again["generation"] > views[0]["generation"]
+
+
+def _plan(max_blocks: int = 64, cell_words: int = 4096):
+  from b12x_jax.ops import _triton_lamport as triton
+  view = {"world": 2, "loopback": False, "grid": 1, "per_block": 1, "cell_bytes": 4 * cell_words,
+          "cells_bytes": 0, "max_blocks": max_blocks, "tag_op": 1, "tag_op_residual_rmsnorm": 2, "algorithm": 3,
+          "packs": 1, "timeout_ns": 10**9, "first_timeout_ns": 10**9, "poison_grace_ns": 10**6,
+          "signal_offsets": {}, "error_offsets": {}, "empty_word": 0xFFFFFFFF, "nan_word": 0x7FFF7FFF,
+          "failure_timeout": 1, "failure_mismatch": 2, "failure_stale": 3, "error_complete": 1}
+  return triton.make_plan(view)
+
+
+@pytest.mark.parametrize("rows, row_words, per_row", [
+    (1, 2048, 8), (4, 4096, 16), (8, 512, 2), (64, 2048, 1), (32, 8192, 2), (5, 1024, 4), (1, 4, 1)])
+def test_the_fused_kernel_spreads_small_batches_over_several_programs_per_row(rows, row_words, per_row):
+  from b12x_jax.ops import _triton_lamport as triton
+  plan, got = triton.rows_plan(_plan(), rows, row_words, 2)
+  assert got == per_row and plan.grid == rows * per_row and plan.block_words * per_row == row_words
+  assert plan.tag == (2, 3, rows * row_words // 4, rows * per_row)  # the fused op's tag, its grid
+  assert plan.block_words <= 4096 and plan.grid <= 64
+
+
+@pytest.mark.parametrize("rows, row_words, why", [
+    (64, 8192, "64 rows of 8192 words do not fit the channel's 64 Lamport cells of 4096 words"),
+    (3, 1000, "a row of 1000 words is not a power of two"), (1, 16384, "a row of 16384 words is not a power of two")])
+def test_the_fused_kernel_says_which_rows_it_cannot_take(rows, row_words, why):
+  from b12x_jax.ops import _triton_lamport as triton
+  problem = triton.rows_plan(_plan(), rows, row_words, 2)
+  assert isinstance(problem, str) and why in problem, problem
+
+
+def test_the_fused_op_lowers_to_its_triton_kernel_for_cuda_and_float16_to_ffi(cpu_mesh, monkeypatch):
+  mesh = cpu_mesh(2)
+
+  def body(x, residual, weight, y):
+    normed, new_residual = b12x_jax.all_reduce_residual_rmsnorm(x, residual, weight, "x")
+    return normed, new_residual, b12x_jax.all_reduce_residual_rmsnorm(y, residual.astype(jnp.float16),
+                                                                     weight.astype(jnp.float16), "x")[0]
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P(), P("x")), out_specs=(P(), P(), P())))
+  sharded = jax.sharding.NamedSharding(mesh, P("x"))
+  replicated = jax.sharding.NamedSharding(mesh, P())
+  args = [jax.ShapeDtypeStruct((2, 1024), jnp.bfloat16, sharding=sharded),
+          jax.ShapeDtypeStruct((1, 1024), jnp.bfloat16, sharding=replicated),
+          jax.ShapeDtypeStruct((1024,), jnp.bfloat16, sharding=replicated),
+          jax.ShapeDtypeStruct((2, 1024), jnp.float16, sharding=sharded)]
+  with fresh_communicator(kernels="triton") as comm, b12x_jax.channel("fusedchain"):
+    text = lower_for_cuda(fn, args, monkeypatch)
+  assert text.count('@__gpu$xla.gpu.triton') == 1 and 'b12x_residual_rmsnorm_lamport_fusedchain' in text
+  assert text.count("@b12x_residual_rmsnorm(") == 1  # the float16 call
+  assert [d.kernel for d in comm.decisions] == ["triton", "ffi"], comm.decisions

@@ -92,7 +92,7 @@ def _lowering(op: str, target: str, fallback: Callable, fallback_path: str) -> C
     token_in = ctx.tokens_in.get(effect)
     triton = None
     if kernel == "triton":
-      triton = triton_lowering(ctx, op, channel, groups, platform)
+      triton = triton_lowering(ctx, op, channel, groups, platform, params)
     if platform == "cuda":
       # XLA:GPU's dynamic-slice fusion folds a slice operand or a
       # dynamic-update-slice result into the custom call, and then fails on
@@ -116,7 +116,7 @@ def _lowering(op: str, target: str, fallback: Callable, fallback_path: str) -> C
   return rule
 
 
-def triton_lowering(ctx, op: str, channel: str, groups, platform: str) -> Callable | None:
+def triton_lowering(ctx, op: str, channel: str, groups, platform: str, params: dict) -> Callable | None:
   """The Triton kernel's lowering of a call bound with kernel "triton"
   (docs/DESIGN.md, "Triton kernels"), or None where it cannot run here: the
   FFI kernel of the same protocol takes the call, and the decision says why
@@ -133,7 +133,7 @@ def triton_lowering(ctx, op: str, channel: str, groups, platform: str) -> Callab
   if manual != frozenset(names):
     return comm.kernel_fallback(op, channel, f"the shard_map leaves mesh axes {sorted(set(names) - manual)} "
                                 "automatic (the kernel picks its addresses by its position on every axis)")
-  (aval,) = ctx.avals_in
+  aval = ctx.avals_in[0]
   nbytes = int(np.prod(aval.shape)) * aval.dtype.itemsize
   # Every process bakes every device's row (its own mapping of its peers):
   # the table is a constant of the one program every process lowers
@@ -144,7 +144,7 @@ def triton_lowering(ctx, op: str, channel: str, groups, platform: str) -> Callab
                                 "process bakes every device's addresses into the program they all lower)")
   partition = partition_key(groups)
   table = np.zeros((devices.size, triton.ROW_WORDS), np.int32)
-  plans = set()
+  kernels, poison = {}, comm.poison_outputs  # plan -> kernel
   position = {d.id: i for i, d in enumerate(devices.flat)}
   for group in groups:
     local = {}
@@ -153,20 +153,19 @@ def triton_lowering(ctx, op: str, channel: str, groups, platform: str) -> Callab
         continue
       view = _native.kernel_view(_compat.platform_of(group), channel, partition, _compat.device_ordinal(device),
                                  nbytes)
-      problem = triton.plan_problem(view)
-      if problem is not None:
-        return comm.kernel_fallback(op, channel, problem)
-      plans.add(triton.make_plan(view))
+      planned = triton.call_for(op, view, ctx.avals_in, params, channel=channel, poison=poison)
+      if isinstance(planned, str):
+        return comm.kernel_fallback(op, channel, planned)
+      kernels.setdefault(planned.plan, planned.kernel)
       local[view["rank"]] = triton.table_row(view).tobytes()
     rows = comm.exchange_records(channel, partition, group, "triton_row", local)
     for rank, device in enumerate(group):
       table[position[device.id]] = np.frombuffer(rows[rank], np.int32)
-  (plan,) = plans  # every group of the partition has the same options and size
-  poison = comm.poison_outputs
+  (kernel,) = kernels.values()  # every group of the partition has the same options and sizes
 
-  def call(x):
+  def call(*args):
     row = jnp.asarray(table)[jax.lax.axis_index(names)] if table.shape[0] > 1 else jnp.asarray(table[0])
-    return [triton.all_reduce(x, row, plan, channel=channel, poison=poison)]
+    return kernel(row, *args)
 
   return mlir.lower_fun(call, multiple_results=True)
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +74,7 @@ class Plan:
   cells_bytes: int
   max_blocks: int
   tag: tuple[int, int, int, int]
+  tag_op_residual_rmsnorm: int
   timeout_units: int
   first_timeout_units: int
   grace_units: int
@@ -91,19 +94,46 @@ class Plan:
 _DTYPES = {"float32": 0x7FC00000, "bfloat16": 0x7FFF7FFF}
 
 
-def why_not(op: str, dtype, nbytes: int, window: int) -> str | None:
-  """Why no Triton kernel takes this call (decided at trace time), or None.
-  What only the prepared channel knows (its plan) is checked by
-  ``plan_problem`` when lowering."""
-  if op != "all_reduce":
+def why_not(op: str, dtype, nbytes: int, window: int | None) -> str | None:
+  """Why no Triton kernel takes this call (decided at trace time), or None;
+  ``window``: the Lamport window the payload must fit (None: the op checked
+  its own). What only the prepared channel knows (its plan) is checked by
+  ``call_for`` when lowering."""
+  if op not in ("all_reduce", "all_reduce_residual_rmsnorm"):
     return f"no Triton kernel for {op}"
   if np.dtype(dtype).name not in _DTYPES:
     return f"no Triton kernel for dtype {np.dtype(dtype).name} (float32 and bfloat16 only)"
   if nbytes % 4:
     return f"the payload of {nbytes} bytes is not a whole number of 32-bit words (the Triton kernel's unit)"
-  if nbytes > window:
+  if window is not None and nbytes > window:
     return f"the payload of {nbytes} bytes is above the Lamport window of {window} bytes"
   return None
+
+
+# The smallest slice of a row one program of the fused op takes (words):
+# below it more programs only add polls of the same row.
+_MIN_SLICE_WORDS = 256
+
+
+def rows_plan(plan: Plan, rows: int, row_words: int, tag_op: int) -> tuple[Plan, int] | str:
+  """The fused op's kernel for ``rows`` rows of ``row_words`` words on the
+  channel ``plan`` (an all_reduce plan) describes, and its programs per
+  row; or why the Triton kernel cannot take them. Each row is split over
+  a power of two of programs (several per row at small batch: the
+  pushes spread over SMs), each one block of the channel's Lamport cells."""
+  if row_words & (row_words - 1) or row_words > MAX_TILE_WORDS:
+    return (f"a row of {row_words} words is not a power of two of at most {MAX_TILE_WORDS} "
+            "(the Triton kernel's tiles)")
+  cell_words, per_row = plan.cell_bytes // 4, 1
+  while rows * per_row * 2 <= plan.max_blocks and (row_words // per_row > cell_words or
+                                                   row_words // (per_row * 2) >= _MIN_SLICE_WORDS):
+    per_row *= 2
+  if row_words // per_row > cell_words or rows * per_row > plan.max_blocks:
+    return (f"{rows} rows of {row_words} words do not fit the channel's {plan.max_blocks} Lamport cells of "
+            f"{cell_words} words")
+  grid = rows * per_row
+  return dataclasses.replace(plan, grid=grid, block_words=row_words // per_row,
+                             tag=(tag_op, plan.tag[1], rows * row_words // 4, grid)), per_row
 
 
 def plan_problem(view: dict) -> str | None:
@@ -120,6 +150,35 @@ def plan_problem(view: dict) -> str | None:
   return None
 
 
+class Call(NamedTuple):
+  """The Triton kernel of one call: its plan (equal for equal calls: one
+  per partition) and ``kernel(row, *args) -> results``."""
+  plan: tuple
+  kernel: Callable
+
+
+def call_for(op: str, view: dict, avals, params: dict, *, channel: str, poison: bool) -> Call | str:
+  """The Triton kernel of a call of ``op`` on ``avals`` (with the
+  primitive's ``params``) on the channel ``view`` describes, or why it
+  cannot run the call."""
+  plan = make_plan(view)
+  if op == "all_reduce":
+    problem = plan_problem(view)
+    if problem is not None:
+      return problem
+    return Call((plan,), lambda row, x: [all_reduce(x, row, plan, channel=channel, poison=poison)])
+  x = avals[0]
+  hidden = x.shape[-1]
+  planned = rows_plan(plan, int(np.prod(x.shape)) // hidden, hidden * x.dtype.itemsize // 4,
+                      plan.tag_op_residual_rmsnorm)
+  if isinstance(planned, str):
+    return planned
+  rows, per_row = planned
+  eps = float(params["eps"])
+  return Call((rows, per_row, eps), lambda row, x, residual, weight: list(residual_rmsnorm(
+      x, residual, weight, row, rows, row_blocks=per_row, eps=eps, channel=channel, poison=poison)))
+
+
 def _signed(word: int) -> int:
   """A 32-bit word as the int32 the kernel holds it in."""
   return int(np.uint32(word).view(np.int32))
@@ -132,6 +191,7 @@ def make_plan(view: dict) -> Plan:
               block_words=view["per_block"] * 4, cell_bytes=view["cell_bytes"], cells_bytes=view["cells_bytes"],
               max_blocks=view["max_blocks"],
               tag=(view["tag_op"], view["algorithm"], view["packs"], view["grid"]),
+              tag_op_residual_rmsnorm=view["tag_op_residual_rmsnorm"],
               timeout_units=units(view["timeout_ns"]), first_timeout_units=units(view["first_timeout_ns"]),
               grace_units=units(view["poison_grace_ns"]),
               signal_offsets=tuple(sorted(view["signal_offsets"].items())),
@@ -198,18 +258,33 @@ def _bfloat16_bits(f: jax.Array) -> jax.Array:
   return jnp.where(f != f, jnp.int32(0x7FFF), rounded)
 
 
-def _kernel(plan: Plan, dtype: str, table_ref, x_ref, y_ref):
+def _exchange(plan: Plan, table_ref, x_words: jax.Array, row_blocks: int):
+  """One Lamport call of this program's block (its program id) on the
+  channel (lamport.h): pushes ``x_words`` (the block's ``plan.block_words``
+  words) into this rank's cell of every peer's buffer B(k), waits, bounded,
+  until every source's cells of the ``row_blocks`` consecutive blocks from
+  the row's first (block - block % row_blocks) arrived, checks their tags,
+  records a failure once per channel, and refills and advances this block
+  alone. Returns (done, cells, rank, sink): whether the call finished,
+  every source's arrived words of the row's blocks (``row_blocks`` *
+  block_words lanes, block by block; a source this rank does not exchange
+  with holds zeros), this rank, and ``sink`` (0, the OR of every store's
+  result, which the caller must fold into its output: the module
+  docstring). A block reads other blocks' cells only where its call's
+  programs all do (the fused op): each refills only its own, which every
+  reader of the previous call finished reading, as the previous kernel
+  finished before this one started."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plt
 
   W = plan.block_words
+  L = W * row_blocks  # lanes of what the block reads
   sig_off, err_off = dict(plan.signal_offsets), dict(plan.error_offsets)
-  shape = jax.ShapeDtypeStruct((W,), _U32)
 
-  def asm(code: str, *args) -> jax.Array:
-    args = [jnp.broadcast_to(jnp.asarray(a, _U32), (W,)) for a in args]
+  def asm(code: str, *args, lanes: int = W) -> jax.Array:
+    args = [jnp.broadcast_to(jnp.asarray(a, _U32), (lanes,)) for a in args]
     (out,) = plt.elementwise_inline_asm(code, args=args, constraints="=r," + ",".join(["r"] * len(args)), pack=1,
-                                        result_shape_dtypes=[shape])
+                                        result_shape_dtypes=[jax.ShapeDtypeStruct((lanes,), _U32)])
     return out
 
   # Every table word is read here, once: a ref read inside a loop body
@@ -219,23 +294,28 @@ def _kernel(plan: Plan, dtype: str, table_ref, x_ref, y_ref):
   def address(at: int):
     return table[at], table[at + 1]
 
-  def load(base, offset, dep):
-    return asm(_LOAD, *base, offset, dep)
+  def load(base, offset, dep, lanes: int = W):
+    return asm(_LOAD, *base, offset, dep, lanes=lanes)
 
   def store(base, offset, value, enabled, dep):
     return asm(_STORE, *base, offset, value, enabled.astype(_U32), dep)
 
   def clock(dep):
-    return jnp.max(asm(_CLOCK, dep))  # one reading for the whole program
+    return jnp.max(asm(_CLOCK, dep, lanes=dep.shape[0]))  # one reading for the whole program
 
   def any_(mask) -> jax.Array:
     return jnp.max(mask.astype(jnp.int32)) > 0
 
   block = pl.program_id(0).astype(_U32)
   lanes = jax.lax.iota(_U32, W)
+  read_lanes = jax.lax.iota(_U32, L)
+  first_block = block - block % row_blocks
+  read_block = first_block + read_lanes // W  # the block each read lane falls in
+  header_lanes = jax.lax.iota(_U32, 4 * row_blocks)  # the 4-word headers of the blocks read
+  header_block = first_block + header_lanes // 4
   rank = table[_RANK]
   own_signal, error, own_lamport = address(_OWN_SIGNAL), address(_ERROR), address(_OWN_LAMPORT)
-  zero = jnp.zeros((W,), _U32)
+  zero, read_zero = jnp.zeros((W,), _U32), jnp.zeros((L,), _U32)
 
   # The block's Signal words, as its previous call left them (lamport.h lamport_begin).
   def word(name: str, dep, per_block: bool = True):
@@ -258,16 +338,19 @@ def _kernel(plan: Plan, dtype: str, table_ref, x_ref, y_ref):
   def exchanges_with(p: int):  # channel.h exchanges_with (traced: Pallas Triton lowers no Python bools)
     return rank == p if plan.loopback else rank != p
 
-  def cell_offset(buf, source):
-    return ((buf * plan.world + source) * plan.max_blocks + block) * plan.cell_bytes + 4 * lanes
+  def cell_offset(buf, source, at=block, words=lanes):
+    return ((buf * plan.world + source) * plan.max_blocks + at) * plan.cell_bytes + 4 * words
 
-  def header_offset(buf, source):
-    return plan.cells_bytes + ((buf * plan.world + source) * plan.max_blocks + block) * 16 + 4 * (lanes & 3)
+  def header_offset(buf, source, at=block, words=lanes):
+    return plan.cells_bytes + ((buf * plan.world + source) * plan.max_blocks + at) * 16 + 4 * (words & 3)
 
-  tag_words = jnp.full((W,), plan.tag[3], _U32)  # word k of the tag at lanes k, k + 4, ...
-  for k in (2, 1, 0):
-    tag_words = jnp.where((lanes & 3) == k, jnp.full((W,), plan.tag[k], _U32), tag_words)
-  x_words = x_ref[...]
+  def tag_of(words):  # word k of the tag at lanes k, k + 4, ...
+    out = jnp.full(words.shape, plan.tag[3], _U32)
+    for k in (2, 1, 0):
+      out = jnp.where((words & 3) == k, jnp.full(words.shape, plan.tag[k], _U32), out)
+    return out
+
+  tag_words = tag_of(lanes)
   empty = jnp.full((W,), plan.empty_word, _U32)
   wire = jnp.where(x_words == empty, jnp.full((W,), plan.nan_word, _U32), x_words)
 
@@ -279,7 +362,7 @@ def _kernel(plan: Plan, dtype: str, table_ref, x_ref, y_ref):
     sink = sink | store(peer, cell_offset(buffer, rank), wire, jnp.broadcast_to(enabled, (W,)), sink)
     sink = sink | store(peer, header_offset(buffer, rank), tag_words, jnp.logical_and(enabled, lanes < 4), sink)
 
-  # 2. Poll every source's cell and header of B(k) until no word is empty,
+  # 2. Poll every source's cells and headers of B(k) until no word is empty,
   #    bounded (protocol.h poll_peer): the deadline, or the peer's poison
   #    after the grace.
   first_call_flag = jnp.max((served == zero).astype(jnp.int32))  # 1 until the block met its peers once
@@ -287,12 +370,17 @@ def _kernel(plan: Plan, dtype: str, table_ref, x_ref, y_ref):
   bound = plan.timeout_units + first_call_flag * (plan.first_timeout_units - plan.timeout_units)
   spin_bound = jnp.minimum(bound, _MAX_WAIT_UNITS // _SPINS_PER_UNIT) * _SPINS_PER_UNIT
   sources = list(range(plan.world))
+  read_buffer = jnp.max(buffer)
+  read_empty = jnp.full((L,), plan.empty_word, _U32)
+  read_tag = tag_of(header_lanes)
 
   def poll(it):
-    dep = jnp.broadcast_to(it, (W,))
-    cells = [load(own_lamport, cell_offset(buffer, q), dep) for q in sources]
-    headers = [load(own_lamport, header_offset(buffer, q), dep) for q in sources]
-    pending = [jnp.logical_and(exchanges_with(q), jnp.logical_or(any_(c == empty), any_(h == empty)))
+    dep = jnp.broadcast_to(it, (L,))
+    cells = [load(own_lamport, cell_offset(read_buffer, q, read_block, read_lanes % W), dep, L) for q in sources]
+    header_dep = jnp.broadcast_to(it, header_lanes.shape)
+    headers = [load(own_lamport, header_offset(read_buffer, q, header_block, header_lanes), header_dep,
+                    header_lanes.shape[0]) for q in sources]
+    pending = [jnp.logical_and(exchanges_with(q), jnp.logical_or(any_(c == read_empty), any_(h == plan.empty_word)))
                for q, c, h in zip(sources, cells, headers)]
     return cells, headers, pending
 
@@ -311,7 +399,7 @@ def _kernel(plan: Plan, dtype: str, table_ref, x_ref, y_ref):
     it, _, _, _, *_ = carry
     cells, headers, pending = poll(it)
     waiting = functools.reduce(jnp.logical_or, pending)
-    now = clock(jnp.broadcast_to(it, (W,)) | cells[0])
+    now = clock(jnp.broadcast_to(it, (L,)) | cells[0])
     elapsed = now - start
     late = jnp.logical_or(elapsed > bound, it > spin_bound)
     # A pending peer that poisoned the channel gave up: stop now (after the grace).
@@ -324,19 +412,20 @@ def _kernel(plan: Plan, dtype: str, table_ref, x_ref, y_ref):
     failed_peer = jnp.where(failed, jnp.where(gave_up, first_of(gave), first_of(pending)), -1)
     return (it + 1, waiting.astype(jnp.int32), failed_peer, gave_up.astype(jnp.int32), *cells, *headers)
 
-  init = (jnp.max(sink), go.astype(jnp.int32), jnp.int32(-1), jnp.int32(0), *([zero] * (2 * plan.world)))
+  init = (jnp.max(sink), go.astype(jnp.int32), jnp.int32(-1), jnp.int32(0), *([read_zero] * plan.world),
+          *([jnp.zeros(header_lanes.shape, _U32)] * plan.world))
   it, _, failed_peer, gave_up, *polled = jax.lax.while_loop(cond, body, init)
   gave_up = gave_up > 0
   cells, headers = polled[:plan.world], polled[plan.world:]
   timed_out = failed_peer >= 0
 
   # 3. The tags (lamport.h lamport_header_state), once every word arrived.
-  mismatched = [jnp.logical_and(exchanges_with(q), any_(headers[q] != tag_words)) for q in sources]
+  mismatched = [jnp.logical_and(exchanges_with(q), any_(headers[q] != read_tag)) for q in sources]
   mismatch = jnp.logical_and(jnp.logical_and(go, jnp.logical_not(timed_out)),
                              functools.reduce(jnp.logical_or, mismatched))
   mismatch_peer = first_of(mismatched)
-  seen = [jnp.max(jnp.where((lanes & 3) == k, sum(jnp.where(mismatch_peer == q, headers[q], 0) for q in sources), 0))
-          for k in range(4)]
+  seen = [jnp.max(jnp.where((header_lanes & 3) == k,
+                            sum(jnp.where(mismatch_peer == q, headers[q], 0) for q in sources), 0)) for k in range(4)]
 
   # 4. A failure is recorded once per channel (the poison word's claim).
   # int32 constants, not Python ints: jnp.where(b, 1, 0) lowers to a 1-bit value in Pallas Triton.
@@ -351,23 +440,7 @@ def _kernel(plan: Plan, dtype: str, table_ref, x_ref, y_ref):
                     *[jnp.int32(t) for t in plan.tag], *seen, generation, jnp.broadcast_to(it, (W,)))
   done = jnp.logical_and(go, jnp.logical_not(jnp.logical_or(timed_out, mismatch)))
 
-  # 5. The sum in rank order 0..N-1, fp32 from 0, rounded once (numeric.h
-  #    sum_in_rank_order): this rank's own part from its input, except under
-  #    loopback (channel.h from_own_input).
-  parts = [cells[q] if plan.loopback else jnp.where(rank == q, x_words, cells[q]) for q in sources]
-  if dtype == "float32":
-    total = jnp.zeros((W,), jnp.float32)
-    for part in parts:
-      total = total + jax.lax.bitcast_convert_type(part, jnp.float32)
-    total_words = jax.lax.bitcast_convert_type(total, _U32)
-  else:
-    low, high = jnp.zeros((W,), jnp.float32), jnp.zeros((W,), jnp.float32)
-    for part in parts:
-      part_low, part_high = _halves(part)
-      low, high = low + part_low, high + part_high
-    total_words = _bfloat16_bits(low) | jax.lax.shift_left(_bfloat16_bits(high), jnp.int32(16))
-
-  # 6. Refill the cells and headers of B(k - 1) this block read in its
+  # 5. Refill the cells and headers of B(k - 1) this block read in its
   #    previous call (lamport.h lamport_refill), then advance (lamport_advance).
   previous_words = jnp.max(previous_packs) * 4
 
@@ -391,10 +464,73 @@ def _kernel(plan: Plan, dtype: str, table_ref, x_ref, y_ref):
   for name, value in (("served", jnp.ones((W,), _U32)), ("lamport_calls", calls + 1),
                       ("lamport_buffer", following), ("lamport_packs", jnp.full((W,), W // 4, _U32))):
     sink = sink | store(own_signal, sig_off[name] + 4 * block, value, head, sink)
+  cells = [jnp.where(exchanges_with(q), c, read_zero) for q, c in enumerate(cells)]
+  return done, cells, rank, jnp.max(sink)
 
-  # 7. NaN where the call could not finish (C8); `sink` (always 0) keeps every store.
-  failed_or_kept = jnp.logical_or(jnp.logical_not(done), sink != zero)
-  y_ref[...] = jnp.where(failed_or_kept, jnp.int32(_signed(_DTYPES[dtype])), total_words)
+
+def _sum_in_rank_order(parts, dtype: str) -> tuple[jax.Array, ...]:
+  """The sum of the sources' words ``parts`` in rank order 0..N-1, fp32
+  from 0 (numeric.h sum_in_rank_order), not yet rounded: one float32
+  per element, (low halves, high halves) for bfloat16."""
+  if dtype == "float32":
+    total = jnp.zeros(parts[0].shape, jnp.float32)
+    for part in parts:
+      total = total + jax.lax.bitcast_convert_type(part, jnp.float32)
+    return (total,)
+  low, high = jnp.zeros(parts[0].shape, jnp.float32), jnp.zeros(parts[0].shape, jnp.float32)
+  for part in parts:
+    part_low, part_high = _halves(part)
+    low, high = low + part_low, high + part_high
+  return low, high
+
+
+def _elements(words: jax.Array, dtype: str) -> tuple[jax.Array, ...]:
+  """The float32 values of ``words``, as _sum_in_rank_order lays them out."""
+  return (jax.lax.bitcast_convert_type(words, jnp.float32),) if dtype == "float32" else _halves(words)
+
+
+def _words(values: tuple[jax.Array, ...], dtype: str) -> jax.Array:
+  """float32 ``values`` rounded once to ``dtype``, as 32-bit words."""
+  if dtype == "float32":
+    return jax.lax.bitcast_convert_type(values[0], _U32)
+  return _bfloat16_bits(values[0]) | jax.lax.shift_left(_bfloat16_bits(values[1]), jnp.int32(16))
+
+
+def _all_reduce_kernel(plan: Plan, dtype: str, table_ref, x_ref, y_ref):
+  x_words = x_ref[...]
+  done, cells, rank, sink = _exchange(plan, table_ref, x_words, 1)
+  # This rank's own part from its input, except under loopback (channel.h from_own_input).
+  parts = [c if plan.loopback else jnp.where(rank == q, x_words, c) for q, c in enumerate(cells)]
+  total = _words(_sum_in_rank_order(parts, dtype), dtype)
+  # NaN where the call could not finish (C8); `sink` (always 0) keeps every store.
+  failed_or_kept = jnp.logical_or(jnp.logical_not(done), sink != 0)
+  y_ref[...] = jnp.where(failed_or_kept, jnp.int32(_signed(_DTYPES[dtype])), total)
+
+
+def _rmsnorm_kernel(plan: Plan, dtype: str, row_blocks: int, hidden: int, eps: float, table_ref, x_ref, x_row_ref,
+                    residual_row_ref, weight_row_ref, normed_ref, residual_out_ref):
+  """The fused op (ffi/rmsnorm.h's math): this program pushes its slice of
+  the row, reads the whole row from every source (every program of the
+  row does: the norm needs all of it), and writes its slice of both
+  outputs."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plt
+
+  W = plan.block_words
+  done, cells, rank, sink = _exchange(plan, table_ref, x_ref[...], row_blocks)
+  x_row = x_row_ref[...]
+  parts = [c if plan.loopback else jnp.where(rank == q, x_row, c) for q, c in enumerate(cells)]
+  residual = _elements(residual_row_ref[...], dtype)
+  # residual_out = round(sum + residual), one rounding; the norm reads it rounded.
+  residual_out = _words(tuple(s + r for s, r in zip(_sum_in_rank_order(parts, dtype), residual)), dtype)
+  r = _elements(residual_out, dtype)
+  scale = jax.lax.rsqrt(sum(jnp.sum(v * v) for v in r) / hidden + eps)
+  normed = _words(tuple(v * scale * w for v, w in zip(r, _elements(weight_row_ref[...], dtype))), dtype)
+  failed_or_kept = jnp.logical_or(jnp.logical_not(done), sink != 0)
+  nan = jnp.int32(_signed(_DTYPES[dtype]))
+  mine = jax.lax.iota(_U32, W * row_blocks) // W == pl.program_id(0) % row_blocks  # this program's slice
+  for ref, value in ((normed_ref, normed), (residual_out_ref, residual_out)):
+    plt.store(ref, jnp.where(failed_or_kept, nan, value), mask=mine)
 
 
 def all_reduce(x: jax.Array, row: jax.Array, plan: Plan, *, channel: str, poison: bool) -> jax.Array:
@@ -416,9 +552,51 @@ def all_reduce(x: jax.Array, row: jax.Array, plan: Plan, *, channel: str, poison
     aliases = {2: 0}
 
   def kernel(table_ref, x_ref, *refs):  # refs: (the poisoned output,) and the output
-    _kernel(plan, dtype, table_ref, x_ref, refs[-1])
+    _all_reduce_kernel(plan, dtype, table_ref, x_ref, refs[-1])
   y = pl.pallas_call(kernel, out_shape=_compat.shape_dtype_like(flat), grid=(plan.grid,),
                      in_specs=in_specs, out_specs=spec, input_output_aliases=aliases,
                      compiler_params=plt.CompilerParams(num_warps=4 if W <= 1024 else 8, num_stages=1),
                      name=f"b12x_all_reduce_lamport_{channel}", metadata={"b12x_channel": channel})(*operands)
   return jax.lax.bitcast_convert_type(y, x.dtype).reshape(x.shape)
+
+
+def _as_words(a: jax.Array) -> jax.Array:
+  """``a`` (float32 or bfloat16) as the 32-bit words the wire carries."""
+  return jax.lax.bitcast_convert_type(a.reshape(-1) if a.dtype == jnp.float32 else a.reshape(-1, 2), _U32)
+
+
+def residual_rmsnorm(x: jax.Array, residual: jax.Array, weight: jax.Array, row: jax.Array, plan: Plan, *,
+                     row_blocks: int, eps: float, channel: str, poison: bool) -> tuple[jax.Array, jax.Array]:
+  """The fused all-reduce, residual add and RMSNorm (ffi/rmsnorm.h) of
+  ``x`` [..., hidden] as a Pallas Triton kernel: ``plan`` from rows_plan,
+  ``row_blocks`` programs per row. Returns (normed, new_residual)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plt
+
+  dtype = np.dtype(x.dtype).name
+  W = plan.block_words
+  L = W * row_blocks  # a row's words
+  words = _as_words(x)
+  slice_spec = pl.BlockSpec((W,), lambda i: (i,))
+  row_spec = pl.BlockSpec((L,), lambda i: (i // row_blocks,))
+  operands = [row, words, words, _as_words(residual), _as_words(weight)]
+  in_specs = [pl.BlockSpec((ROW_WORDS,), lambda i: (0,)), slice_spec, row_spec, row_spec,
+              pl.BlockSpec((L,), lambda i: (0,))]
+  aliases = {}
+  if poison:  # poison_outputs: NaN in every element the kernel does not write
+    operands += [jnp.full_like(words, _signed(_DTYPES[dtype]))] * 2
+    in_specs += [row_spec] * 2
+    aliases = {5: 0, 6: 1}
+
+  def kernel(table_ref, x_ref, x_row_ref, residual_ref, weight_ref, *refs):  # refs: (poisoned,) and outputs
+    _rmsnorm_kernel(plan, dtype, row_blocks, x.shape[-1], eps, table_ref, x_ref, x_row_ref, residual_ref, weight_ref,
+                    *refs[-2:])
+  out = _compat.shape_dtype_like(words)
+  normed, new_residual = pl.pallas_call(
+      kernel, out_shape=(out, out), grid=(plan.grid,), in_specs=in_specs, out_specs=(row_spec, row_spec),
+      input_output_aliases=aliases,
+      # A program holds a row of every source while it polls: more warps for more words.
+      compiler_params=plt.CompilerParams(num_warps=min(16, 1 << max(2, (L * plan.world // 2048).bit_length() - 1)),
+                                         num_stages=1),
+      name=f"b12x_residual_rmsnorm_lamport_{channel}", metadata={"b12x_channel": channel})(*operands)
+  return tuple(jax.lax.bitcast_convert_type(y, x.dtype).reshape(x.shape) for y in (normed, new_residual))

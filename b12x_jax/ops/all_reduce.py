@@ -59,7 +59,7 @@ def all_reduce(x, axis_name, *, axis_index_groups=None, channel: str | None = No
   it is faster. Above the Lamport window the kernel is one-shot or two-shot
   by the communicator's ``algorithm`` (b12x_jax.tuning when "auto"). Inside
   it, ``Communicator(kernels=...)`` picks the FFI kernel or the Pallas Triton
-  kernel of the same protocol (float32 on CUDA; docs/DESIGN.md "Triton
+  kernel of the same protocol (float32 and bfloat16 on CUDA; docs/DESIGN.md "Triton
   kernels"). The choice and the reason are recorded in
   ``get_communicator().decisions``.
 

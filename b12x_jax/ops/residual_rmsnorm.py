@@ -11,6 +11,7 @@ from jax.interpreters import batching
 from b12x_jax import _compat, _native
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import PACK_BYTES, Decision, get_communicator
+from b12x_jax.ops import _triton_lamport
 from b12x_jax.ops._common import (axis_size, batch_size, collective_primitive, differentiate_by_fallback,
                                   register_batcher, why_not_a_mesh_axis)
 from b12x_jax.ops.all_reduce import all_reduce
@@ -97,7 +98,10 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
   ``all_reduce`` followed by the add and norm in jnp, with the reason in
   ``get_communicator().decisions``. Under ``jax.vmap`` the batches are
   more leading rows: one call, fused or not by the rows of all batches
-  (unfused where the weight is batched: a call takes one weight). Over a
+  (unfused where the weight is batched: a call takes one weight). Under
+  ``Communicator(kernels="triton" | "auto")`` the fused call of float32 or
+  bfloat16 rows is a Pallas Triton kernel on CUDA (docs/DESIGN.md "Triton
+  kernels"). Over a
   ``vmap`` axis name it is unfused, on psum (policy "auto"), or an
   IneligibleError (policy "strict").
   """
@@ -116,10 +120,12 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
   if exchanges and not_a_mesh_axis is not None:
     comm.outside_window(_OP, name, *not_a_mesh_axis, fallback="unfused")
   elif exchanges and why_not is None:
-    decision = comm.choose_path(_OP, name, x.size * x.dtype.itemsize, x.dtype, size)
+    kernel = comm.choose_kernel(_OP, _triton_lamport.why_not(_OP, x.dtype, x.size * x.dtype.itemsize, None))
+    decision = comm.choose_path(_OP, name, x.size * x.dtype.itemsize, x.dtype, size, kernel=kernel)
     if decision.path == "b12x":
       normed, new_residual = residual_rmsnorm_p.bind(x, residual, weight, axis_name=axis_name, channel=name,
-                                                     eps=np.float32(eps))  # the handler's f32 attribute
+                                                     eps=np.float32(eps),  # the handler's f32 attribute
+                                                     kernel=decision.kernel)
       return normed, new_residual
   elif exchanges:
     comm.record(Decision(_OP, name, "unfused", why_not))
@@ -137,26 +143,28 @@ def _unfused(total, residual, weight, eps: float) -> tuple[jax.Array, jax.Array]
 # -- lowering ---------------------------------------------------------------------
 
 
-def _abstract_eval(x, residual, weight, *, axis_name: str, channel: str, eps: float):
+def _abstract_eval(x, residual, weight, *, axis_name: str, channel: str, eps: float, kernel: str):
   # The types of _unfused's: the sum is invariant over the axis, the residual
   # adds its varying axes, the weight those of its own to the normed output.
-  del channel, eps
+  del channel, eps, kernel
   new_residual = _compat.add_varying_axes(_compat.drop_varying_axis(x, axis_name), _compat.varying_axes(residual))
   return [_compat.add_varying_axes(new_residual, _compat.varying_axes(weight)), new_residual]
 
 
-def _psum_path(x, residual, weight, *, axis_name: str, eps: float):
+def _psum_path(x, residual, weight, *, axis_name: str, eps: float, kernel: str = "ffi"):
+  del kernel
   return list(_unfused(jax.lax.psum(x, axis_name), residual, weight, eps))
 
 
 # -- batching --------------------------------------------------------------------
 
 
-def _batch(args, dims, *, axis_name: str, channel: str, eps: float):
+def _batch(args, dims, *, axis_name: str, channel: str, eps: float, kernel: str):
   """A batched call is one call with the batches as more leading rows of x
-  and residual, fused or not by the size of all of them. A batched weight
+  and residual, fused or not (and its kernel) by the size of all of them. A batched weight
   (one per batch) cannot be one fused call: then the batches' x are summed
   in one all_reduce and each is normed with its own weight."""
+  del kernel
   vmapped = batch_size(args, dims)
   x, residual = (batching.bdim_at_front(a, d, vmapped) for a, d in zip(args[:2], dims[:2]))
   weight, weight_dim = args[2], dims[2]

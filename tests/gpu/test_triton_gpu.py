@@ -112,3 +112,30 @@ def test_an_executable_of_an_earlier_preparation_stops_with_nan_and_an_error():
     with b12x_jax.channel("stale"):  # traced again after the release: prepares, and runs
       assert _same_bits(_sum(mesh)(_put(mesh, x)), x)
     comm.check_errors()
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_the_fused_kernel_matches_float64_and_the_ffi_residual_bits(dtype_name):
+  # Rows of 1 to 64, several programs per row at small batch; the FFI kernel
+  # (float16 has no Triton one) runs the same shapes on the same channel.
+  from helpers import DTYPES, assert_residual_rmsnorm_matches, residual_rmsnorm_fn, residual_rmsnorm_inputs
+  mesh = _mesh()
+  rng = np.random.default_rng(15)
+  fn = residual_rmsnorm_fn(mesh)
+  cases = {"bfloat16": [(1, 4096), (4, 8192), (8, 1024), (64, 4096)], "float32": [(1, 4096), (8, 2048), (32, 4096)]}
+  cases = cases[dtype_name]
+  with fresh_communicator(loopback=True, kernels="triton", poison_outputs=True) as comm, b12x_jax.channel("fused"):
+    for rows, hidden in cases:
+      for dtype in (dtype_name, "float16"):
+        shards, residual, weight = residual_rmsnorm_inputs(rng, 1, rows, hidden, dtype)
+        decided = len(comm.decisions)
+        normed, new_residual = (np.asarray(o) for o in fn(*(_put(mesh, a) if a is shards else jnp.asarray(a)
+                                                             for a in (shards, residual, weight))))
+        assert_residual_rmsnorm_matches(normed, new_residual, shards, residual, weight, 1e-6, dtype)
+        kinds = [d.kernel for d in comm.decisions[decided:]]
+        assert kinds == (["ffi"] if dtype == "float16" else ["triton"]), (rows, hidden, dtype, kinds)
+        if dtype != "float16":  # the sum plus residual, rounded once: what the FFI kernel computes too
+          want = (shards[0].astype(np.float32) + residual.astype(np.float32)).astype(DTYPES[dtype])
+          assert _same_bits(new_residual[0], want), (rows, hidden)
+    assert comm.stats("fused", mesh.devices.flat[0])["epoch"] == 2 * len(cases)
+    comm.check_errors()
