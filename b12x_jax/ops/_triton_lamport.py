@@ -110,30 +110,20 @@ def why_not(op: str, dtype, nbytes: int, window: int | None) -> str | None:
   return None
 
 
-# The smallest slice of a row one program of the fused op takes (words):
-# below it more programs only add polls of the same row.
-_MIN_SLICE_WORDS = 256
-
-
-def rows_plan(plan: Plan, rows: int, row_words: int, tag_op: int) -> tuple[Plan, int] | str:
+def rows_plan(plan: Plan, rows: int, row_words: int, tag_op: int) -> Plan | str:
   """The fused op's kernel for ``rows`` rows of ``row_words`` words on the
-  channel ``plan`` (an all_reduce plan) describes, and its programs per
-  row; or why the Triton kernel cannot take them. Each row is split over
-  a power of two of programs (several per row at small batch: the
-  pushes spread over SMs), each one block of the channel's Lamport cells."""
+  channel ``plan`` (an all_reduce plan) describes: a program and a block
+  per row, as the FFI kernel (a row over several programs would need a
+  reduction across them: a block reads only its own cells, _exchange); or
+  why the Triton kernel cannot take them."""
   if row_words & (row_words - 1) or row_words > MAX_TILE_WORDS:
     return (f"a row of {row_words} words is not a power of two of at most {MAX_TILE_WORDS} "
             "(the Triton kernel's tiles)")
-  cell_words, per_row = plan.cell_bytes // 4, 1
-  while rows * per_row * 2 <= plan.max_blocks and (row_words // per_row > cell_words or
-                                                   row_words // (per_row * 2) >= _MIN_SLICE_WORDS):
-    per_row *= 2
-  if row_words // per_row > cell_words or rows * per_row > plan.max_blocks:
+  if row_words > plan.cell_bytes // 4 or rows > plan.max_blocks:
     return (f"{rows} rows of {row_words} words do not fit the channel's {plan.max_blocks} Lamport cells of "
-            f"{cell_words} words")
-  grid = rows * per_row
-  return dataclasses.replace(plan, grid=grid, block_words=row_words // per_row,
-                             tag=(tag_op, plan.tag[1], rows * row_words // 4, grid)), per_row
+            f"{plan.cell_bytes // 4} words (a row per cell)")
+  return dataclasses.replace(plan, grid=rows, block_words=row_words, tag=(tag_op, plan.tag[1], rows * row_words // 4,
+                                                                          rows))
 
 
 def plan_problem(view: dict) -> str | None:
@@ -169,14 +159,13 @@ def call_for(op: str, view: dict, avals, params: dict, *, channel: str, poison: 
     return Call((plan,), lambda row, x: [all_reduce(x, row, plan, channel=channel, poison=poison)])
   x = avals[0]
   hidden = x.shape[-1]
-  planned = rows_plan(plan, int(np.prod(x.shape)) // hidden, hidden * x.dtype.itemsize // 4,
-                      plan.tag_op_residual_rmsnorm)
-  if isinstance(planned, str):
-    return planned
-  rows, per_row = planned
+  rows = rows_plan(plan, int(np.prod(x.shape)) // hidden, hidden * x.dtype.itemsize // 4,
+                   plan.tag_op_residual_rmsnorm)
+  if isinstance(rows, str):
+    return rows
   eps = float(params["eps"])
-  return Call((rows, per_row, eps), lambda row, x, residual, weight: list(residual_rmsnorm(
-      x, residual, weight, row, rows, row_blocks=per_row, eps=eps, channel=channel, poison=poison)))
+  return Call((rows, eps), lambda row, x, residual, weight: list(residual_rmsnorm(
+      x, residual, weight, row, rows, eps=eps, channel=channel, poison=poison)))
 
 
 def _signed(word: int) -> int:
@@ -258,27 +247,23 @@ def _bfloat16_bits(f: jax.Array) -> jax.Array:
   return jnp.where(f != f, jnp.int32(0x7FFF), rounded)
 
 
-def _exchange(plan: Plan, table_ref, x_words: jax.Array, row_blocks: int):
+def _exchange(plan: Plan, table_ref, x_words: jax.Array):
   """One Lamport call of this program's block (its program id) on the
   channel (lamport.h): pushes ``x_words`` (the block's ``plan.block_words``
   words) into this rank's cell of every peer's buffer B(k), waits, bounded,
-  until every source's cells of the ``row_blocks`` consecutive blocks from
-  the row's first (block - block % row_blocks) arrived, checks their tags,
-  records a failure once per channel, and refills and advances this block
-  alone. Returns (done, cells, rank, sink): whether the call finished,
-  every source's arrived words of the row's blocks (``row_blocks`` *
-  block_words lanes, block by block; a source this rank does not exchange
-  with holds zeros), this rank, and ``sink`` (0, the OR of every store's
-  result, which the caller must fold into its output: the module
-  docstring). A block reads other blocks' cells only where its call's
-  programs all do (the fused op): each refills only its own, which every
-  reader of the previous call finished reading, as the previous kernel
-  finished before this one started."""
+  until every source's cell of B(k) arrived, checks the tags, records a
+  failure once per channel, refills and advances. Returns (done, cells,
+  rank, sink): whether the call finished, every source's arrived words (a
+  source this rank does not exchange with holds zeros), this rank, and
+  ``sink`` (0, the OR of every store's result, which the caller must fold
+  into its output: the module docstring). A block reads only its own
+  cells: each block cycles its buffers by the calls it took part in, so
+  another block's B(k) may be a buffer that still holds an older call's
+  words (docs/DESIGN.md, "Triton kernels")."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plt
 
   W = plan.block_words
-  L = W * row_blocks  # lanes of what the block reads
   sig_off, err_off = dict(plan.signal_offsets), dict(plan.error_offsets)
 
   def asm(code: str, *args, lanes: int = W) -> jax.Array:
@@ -308,14 +293,10 @@ def _exchange(plan: Plan, table_ref, x_words: jax.Array, row_blocks: int):
 
   block = pl.program_id(0).astype(_U32)
   lanes = jax.lax.iota(_U32, W)
-  read_lanes = jax.lax.iota(_U32, L)
-  first_block = block - block % row_blocks
-  read_block = first_block + read_lanes // W  # the block each read lane falls in
-  header_lanes = jax.lax.iota(_U32, 4 * row_blocks)  # the 4-word headers of the blocks read
-  header_block = first_block + header_lanes // 4
+  header_lanes = jax.lax.iota(_U32, 4)  # a header's words
   rank = table[_RANK]
   own_signal, error, own_lamport = address(_OWN_SIGNAL), address(_ERROR), address(_OWN_LAMPORT)
-  zero, read_zero = jnp.zeros((W,), _U32), jnp.zeros((L,), _U32)
+  zero = jnp.zeros((W,), _U32)
 
   # The block's Signal words, as its previous call left them (lamport.h lamport_begin).
   def word(name: str, dep, per_block: bool = True):
@@ -338,11 +319,11 @@ def _exchange(plan: Plan, table_ref, x_words: jax.Array, row_blocks: int):
   def exchanges_with(p: int):  # channel.h exchanges_with (traced: Pallas Triton lowers no Python bools)
     return rank == p if plan.loopback else rank != p
 
-  def cell_offset(buf, source, at=block, words=lanes):
-    return ((buf * plan.world + source) * plan.max_blocks + at) * plan.cell_bytes + 4 * words
+  def cell_offset(buf, source):
+    return ((buf * plan.world + source) * plan.max_blocks + block) * plan.cell_bytes + 4 * lanes
 
-  def header_offset(buf, source, at=block, words=lanes):
-    return plan.cells_bytes + ((buf * plan.world + source) * plan.max_blocks + at) * 16 + 4 * (words & 3)
+  def header_offset(buf, source, words=lanes):
+    return plan.cells_bytes + ((buf * plan.world + source) * plan.max_blocks + block) * 16 + 4 * (words & 3)
 
   def tag_of(words):  # word k of the tag at lanes k, k + 4, ...
     out = jnp.full(words.shape, plan.tag[3], _U32)
@@ -370,17 +351,14 @@ def _exchange(plan: Plan, table_ref, x_words: jax.Array, row_blocks: int):
   bound = plan.timeout_units + first_call_flag * (plan.first_timeout_units - plan.timeout_units)
   spin_bound = jnp.minimum(bound, _MAX_WAIT_UNITS // _SPINS_PER_UNIT) * _SPINS_PER_UNIT
   sources = list(range(plan.world))
-  read_buffer = jnp.max(buffer)
-  read_empty = jnp.full((L,), plan.empty_word, _U32)
   read_tag = tag_of(header_lanes)
 
   def poll(it):
-    dep = jnp.broadcast_to(it, (L,))
-    cells = [load(own_lamport, cell_offset(read_buffer, q, read_block, read_lanes % W), dep, L) for q in sources]
-    header_dep = jnp.broadcast_to(it, header_lanes.shape)
-    headers = [load(own_lamport, header_offset(read_buffer, q, header_block, header_lanes), header_dep,
-                    header_lanes.shape[0]) for q in sources]
-    pending = [jnp.logical_and(exchanges_with(q), jnp.logical_or(any_(c == read_empty), any_(h == plan.empty_word)))
+    dep = jnp.broadcast_to(it, (W,))
+    cells = [load(own_lamport, cell_offset(buffer, q), dep) for q in sources]
+    headers = [load(own_lamport, header_offset(jnp.max(buffer), q, header_lanes), jnp.broadcast_to(it, (4,)), 4)
+               for q in sources]
+    pending = [jnp.logical_and(exchanges_with(q), jnp.logical_or(any_(c == empty), any_(h == plan.empty_word)))
                for q, c, h in zip(sources, cells, headers)]
     return cells, headers, pending
 
@@ -399,7 +377,7 @@ def _exchange(plan: Plan, table_ref, x_words: jax.Array, row_blocks: int):
     it, _, _, _, *_ = carry
     cells, headers, pending = poll(it)
     waiting = functools.reduce(jnp.logical_or, pending)
-    now = clock(jnp.broadcast_to(it, (L,)) | cells[0])
+    now = clock(jnp.broadcast_to(it, (W,)) | cells[0])
     elapsed = now - start
     late = jnp.logical_or(elapsed > bound, it > spin_bound)
     # A pending peer that poisoned the channel gave up: stop now (after the grace).
@@ -412,8 +390,8 @@ def _exchange(plan: Plan, table_ref, x_words: jax.Array, row_blocks: int):
     failed_peer = jnp.where(failed, jnp.where(gave_up, first_of(gave), first_of(pending)), -1)
     return (it + 1, waiting.astype(jnp.int32), failed_peer, gave_up.astype(jnp.int32), *cells, *headers)
 
-  init = (jnp.max(sink), go.astype(jnp.int32), jnp.int32(-1), jnp.int32(0), *([read_zero] * plan.world),
-          *([jnp.zeros(header_lanes.shape, _U32)] * plan.world))
+  init = (jnp.max(sink), go.astype(jnp.int32), jnp.int32(-1), jnp.int32(0), *([zero] * plan.world),
+          *([jnp.zeros((4,), _U32)] * plan.world))
   it, _, failed_peer, gave_up, *polled = jax.lax.while_loop(cond, body, init)
   gave_up = gave_up > 0
   cells, headers = polled[:plan.world], polled[plan.world:]
@@ -464,7 +442,7 @@ def _exchange(plan: Plan, table_ref, x_words: jax.Array, row_blocks: int):
   for name, value in (("served", jnp.ones((W,), _U32)), ("lamport_calls", calls + 1),
                       ("lamport_buffer", following), ("lamport_packs", jnp.full((W,), W // 4, _U32))):
     sink = sink | store(own_signal, sig_off[name] + 4 * block, value, head, sink)
-  cells = [jnp.where(exchanges_with(q), c, read_zero) for q, c in enumerate(cells)]
+  cells = [jnp.where(exchanges_with(q), c, zero) for q, c in enumerate(cells)]
   return done, cells, rank, jnp.max(sink)
 
 
@@ -498,7 +476,7 @@ def _words(values: tuple[jax.Array, ...], dtype: str) -> jax.Array:
 
 def _all_reduce_kernel(plan: Plan, dtype: str, table_ref, x_ref, y_ref):
   x_words = x_ref[...]
-  done, cells, rank, sink = _exchange(plan, table_ref, x_words, 1)
+  done, cells, rank, sink = _exchange(plan, table_ref, x_words)
   # This rank's own part from its input, except under loopback (channel.h from_own_input).
   parts = [c if plan.loopback else jnp.where(rank == q, x_words, c) for q, c in enumerate(cells)]
   total = _words(_sum_in_rank_order(parts, dtype), dtype)
@@ -507,30 +485,22 @@ def _all_reduce_kernel(plan: Plan, dtype: str, table_ref, x_ref, y_ref):
   y_ref[...] = jnp.where(failed_or_kept, jnp.int32(_signed(_DTYPES[dtype])), total)
 
 
-def _rmsnorm_kernel(plan: Plan, dtype: str, row_blocks: int, hidden: int, eps: float, table_ref, x_ref, x_row_ref,
-                    residual_row_ref, weight_row_ref, normed_ref, residual_out_ref):
-  """The fused op (ffi/rmsnorm.h's math): this program pushes its slice of
-  the row, reads the whole row from every source (every program of the
-  row does: the norm needs all of it), and writes its slice of both
-  outputs."""
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import triton as plt
-
-  W = plan.block_words
-  done, cells, rank, sink = _exchange(plan, table_ref, x_ref[...], row_blocks)
-  x_row = x_row_ref[...]
-  parts = [c if plan.loopback else jnp.where(rank == q, x_row, c) for q, c in enumerate(cells)]
-  residual = _elements(residual_row_ref[...], dtype)
+def _rmsnorm_kernel(plan: Plan, dtype: str, hidden: int, eps: float, table_ref, x_ref, residual_ref, weight_ref,
+                    normed_ref, residual_out_ref):
+  """The fused op (ffi/rmsnorm.h's math) on one row per program."""
+  x_words = x_ref[...]
+  done, cells, rank, sink = _exchange(plan, table_ref, x_words)
+  parts = [c if plan.loopback else jnp.where(rank == q, x_words, c) for q, c in enumerate(cells)]
   # residual_out = round(sum + residual), one rounding; the norm reads it rounded.
-  residual_out = _words(tuple(s + r for s, r in zip(_sum_in_rank_order(parts, dtype), residual)), dtype)
+  total = _sum_in_rank_order(parts, dtype)
+  residual_out = _words(tuple(s + r for s, r in zip(total, _elements(residual_ref[...], dtype))), dtype)
   r = _elements(residual_out, dtype)
   scale = jax.lax.rsqrt(sum(jnp.sum(v * v) for v in r) / hidden + eps)
-  normed = _words(tuple(v * scale * w for v, w in zip(r, _elements(weight_row_ref[...], dtype))), dtype)
+  normed = _words(tuple(v * scale * w for v, w in zip(r, _elements(weight_ref[...], dtype))), dtype)
   failed_or_kept = jnp.logical_or(jnp.logical_not(done), sink != 0)
   nan = jnp.int32(_signed(_DTYPES[dtype]))
-  mine = jax.lax.iota(_U32, W * row_blocks) // W == pl.program_id(0) % row_blocks  # this program's slice
-  for ref, value in ((normed_ref, normed), (residual_out_ref, residual_out)):
-    plt.store(ref, jnp.where(failed_or_kept, nan, value), mask=mine)
+  normed_ref[...] = jnp.where(failed_or_kept, nan, normed)
+  residual_out_ref[...] = jnp.where(failed_or_kept, nan, residual_out)
 
 
 def all_reduce(x: jax.Array, row: jax.Array, plan: Plan, *, channel: str, poison: bool) -> jax.Array:
@@ -566,37 +536,33 @@ def _as_words(a: jax.Array) -> jax.Array:
 
 
 def residual_rmsnorm(x: jax.Array, residual: jax.Array, weight: jax.Array, row: jax.Array, plan: Plan, *,
-                     row_blocks: int, eps: float, channel: str, poison: bool) -> tuple[jax.Array, jax.Array]:
+                     eps: float, channel: str, poison: bool) -> tuple[jax.Array, jax.Array]:
   """The fused all-reduce, residual add and RMSNorm (ffi/rmsnorm.h) of
-  ``x`` [..., hidden] as a Pallas Triton kernel: ``plan`` from rows_plan,
-  ``row_blocks`` programs per row. Returns (normed, new_residual)."""
+  ``x`` [..., hidden] as a Pallas Triton kernel of ``plan`` (rows_plan: a
+  program and a block per row). Returns (normed, new_residual)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plt
 
   dtype = np.dtype(x.dtype).name
-  W = plan.block_words
-  L = W * row_blocks  # a row's words
+  W = plan.block_words  # a row's words
   words = _as_words(x)
-  slice_spec = pl.BlockSpec((W,), lambda i: (i,))
-  row_spec = pl.BlockSpec((L,), lambda i: (i // row_blocks,))
-  operands = [row, words, words, _as_words(residual), _as_words(weight)]
-  in_specs = [pl.BlockSpec((ROW_WORDS,), lambda i: (0,)), slice_spec, row_spec, row_spec,
-              pl.BlockSpec((L,), lambda i: (0,))]
+  row_spec = pl.BlockSpec((W,), lambda i: (i,))
+  operands = [row, words, _as_words(residual), _as_words(weight)]
+  in_specs = [pl.BlockSpec((ROW_WORDS,), lambda i: (0,)), row_spec, row_spec, pl.BlockSpec((W,), lambda i: (0,))]
   aliases = {}
   if poison:  # poison_outputs: NaN in every element the kernel does not write
     operands += [jnp.full_like(words, _signed(_DTYPES[dtype]))] * 2
     in_specs += [row_spec] * 2
-    aliases = {5: 0, 6: 1}
+    aliases = {4: 0, 5: 1}
 
-  def kernel(table_ref, x_ref, x_row_ref, residual_ref, weight_ref, *refs):  # refs: (poisoned,) and outputs
-    _rmsnorm_kernel(plan, dtype, row_blocks, x.shape[-1], eps, table_ref, x_ref, x_row_ref, residual_ref, weight_ref,
-                    *refs[-2:])
+  def kernel(table_ref, x_ref, residual_ref, weight_ref, *refs):  # refs: (the poisoned outputs,) and outputs
+    _rmsnorm_kernel(plan, dtype, x.shape[-1], eps, table_ref, x_ref, residual_ref, weight_ref, *refs[-2:])
   out = _compat.shape_dtype_like(words)
   normed, new_residual = pl.pallas_call(
       kernel, out_shape=(out, out), grid=(plan.grid,), in_specs=in_specs, out_specs=(row_spec, row_spec),
       input_output_aliases=aliases,
       # A program holds a row of every source while it polls: more warps for more words.
-      compiler_params=plt.CompilerParams(num_warps=min(16, 1 << max(2, (L * plan.world // 2048).bit_length() - 1)),
+      compiler_params=plt.CompilerParams(num_warps=min(16, 1 << max(2, (W * plan.world // 2048).bit_length() - 1)),
                                          num_stages=1),
       name=f"b12x_residual_rmsnorm_lamport_{channel}", metadata={"b12x_channel": channel})(*operands)
   return tuple(jax.lax.bitcast_convert_type(y, x.dtype).reshape(x.shape) for y in (normed, new_residual))

@@ -116,8 +116,8 @@ def test_an_executable_of_an_earlier_preparation_stops_with_nan_and_an_error():
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 def test_the_fused_kernel_matches_float64_and_the_ffi_residual_bits(dtype_name):
-  # Rows of 1 to 64, several programs per row at small batch; the FFI kernel
-  # (float16 has no Triton one) runs the same shapes on the same channel.
+  # Rows of 1 to 64, a program per row; the FFI kernel (float16 has no
+  # Triton one) runs the same shapes on the same channel in between.
   from helpers import DTYPES, assert_residual_rmsnorm_matches, residual_rmsnorm_fn, residual_rmsnorm_inputs
   mesh = _mesh()
   rng = np.random.default_rng(15)
