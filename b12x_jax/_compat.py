@@ -98,6 +98,12 @@ def mesh_devices(ctx) -> tuple[tuple[str, ...], np.ndarray, frozenset]:
   return names, np.asarray(devices, dtype=object), frozenset(getattr(axis_context, "manual_axes", names))
 
 
+def lowering_for_export(ctx) -> bool:
+  """Whether ``ctx`` lowers a module for ``jax.export`` (serializable, to
+  run in another process). Checked on jax 0.11.2 and 0.12.0.1."""
+  return bool(getattr(ctx.module_context.lowering_parameters, "for_export", False))
+
+
 def device_ordinal(device) -> int:
   """The ordinal XLA passes to FFI handlers as ``DeviceOrdinal`` for this
   process's ``device``: on GPUs its local hardware id (the CUDA ordinal in

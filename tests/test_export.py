@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (assert_merge_matches, assert_residual_rmsnorm_matches, assert_sum_matches, attention_shards,
-                     fresh_communicator, residual_rmsnorm_inputs)
+                     fresh_communicator, lower_for_cuda, residual_rmsnorm_inputs)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -140,3 +140,19 @@ def test_one_channels_effect_is_one_class_made_once():
   a, b, other = channel_order("same"), channel_order("same"), channel_order("other")
   assert a == b and hash(a) == hash(b) and type(a) is type(b) and a != other
   assert type(a)() == a and repr(a) == "ChannelOrder(channel='same')"  # what jax.export's serializer requires
+
+
+def test_an_export_for_cuda_takes_the_ffi_kernel_where_triton_would_bake_in_addresses(cpu_mesh, monkeypatch):
+  # The Triton kernel carries this process's addresses of the channel: a
+  # module run elsewhere must find its channel by name, as the FFI call does.
+  mesh = cpu_mesh(N)
+  fn = jax.jit(jax.shard_map(lambda x: b12x_jax.all_reduce(x, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  spec = jax.ShapeDtypeStruct((N * ELEMS,), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+  with fresh_communicator(kernels="triton") as comm, b12x_jax.channel("exported-triton"):
+    exported = jax.export.export(fn, platforms=("cuda",),
+                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("b12x_all_reduce")])(spec)
+    assert lower_for_cuda(fn, [spec], monkeypatch).count("__gpu$xla.gpu.triton") == 1  # jit alone: Triton
+  text = exported.mlir_module()
+  assert "__gpu$xla.gpu.triton" not in text and "b12x_all_reduce" in text
+  assert [d.kernel for d in comm.decisions][:2] == ["triton", "ffi"], comm.decisions
+  assert "jax.export: an exported module must not carry this process's channel addresses" in comm.decisions[1].reason

@@ -130,6 +130,9 @@ def triton_lowering(ctx, op: str, channel: str, groups, platform: str, params: d
   names, devices, manual = _compat.mesh_devices(ctx)
   if platform != "cuda":
     return comm.kernel_fallback(op, channel, f"Pallas Triton has no {platform} path")
+  if _compat.lowering_for_export(ctx):
+    return comm.kernel_fallback(op, channel, "jax.export: an exported module must not carry this process's "
+                                "channel addresses, which the Triton kernel bakes in")
   if manual != frozenset(names):
     return comm.kernel_fallback(op, channel, f"the shard_map leaves mesh axes {sorted(set(names) - manual)} "
                                 "automatic (the kernel picks its addresses by its position on every axis)")
