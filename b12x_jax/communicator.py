@@ -106,10 +106,10 @@ class Communicator:
       payload size from the measured crossovers of b12x_jax.tuning (which
       may also pick psum).
     kernels: which kernel kind runs a b12x call: "ffi" (the default: the
-      native kernels, every op and size), "triton" (the Pallas Triton kernel
+      native kernels, every op and size), "triton" (the Pallas Triton kernels
       of the same wire protocol, which XLA launches itself: all_reduce of
-      float32 in the Lamport window, on CUDA; docs/DESIGN.md "Triton
-      kernels"), or "auto" (triton where such a kernel exists for the call
+      float32 and bfloat16 in the Lamport window and the fused op's rows, on
+      CUDA; docs/DESIGN.md "Triton kernels"), or "auto" (triton where such a kernel exists for the call
       and the default backend is CUDA, else ffi). Both kinds interleave on
       one channel. Where "triton" cannot run a call (another op, dtype or
       size, a CPU lowering: Pallas Triton has no CPU path) the call takes the
@@ -403,9 +403,9 @@ class Communicator:
       if preparation is None:  # one process holds the group
         return dict(local)
       records = self._records.get((preparation, kind))
-      if records is None:
-        rendezvous.publish_records(preparation, kind, local)
+      if records is None:  # cached first: a key is published once, even if publishing fails half way
         records = self._records[(preparation, kind)] = dict(local)
+        rendezvous.publish_records(preparation, kind, local)
       missing = [rank for rank, ordinal in enumerate(ordinals) if ordinal < 0 and rank not in records]
       records.update(rendezvous.fetch_records(preparation, kind, missing, self.setup_timeout_s))
       return dict(records)

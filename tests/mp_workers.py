@@ -760,7 +760,8 @@ def same_program_mode(args) -> dict:
   theirs) a program of two channels with Triton and FFI calls, and returns
   the hash of its text and the rows of the baked address tables: every
   process must lower the same program (DESIGN "Call order", "Triton
-  kernels"), with every device's row in its table."""
+  kernels"), with every device's row in its table, though the processes'
+  setup_timeout_s (each device's first-call bound, in its row) differ."""
   import re
 
   import jax
@@ -773,7 +774,7 @@ def same_program_mode(args) -> dict:
 
   import b12x_jax
   pallas_call_registration.gpu_info_lib.get_gpu_info = lambda: plt.get_gpu_info_from_version(plt.GpuVersion.H200)
-  comm = _communicator(args, kernels="triton")
+  comm = _communicator(args, kernels="triton", setup_timeout_s=30.0 + jax.process_index())
   b12x_jax.set_communicator(comm)
   mesh = _mesh()
 

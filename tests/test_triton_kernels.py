@@ -174,7 +174,7 @@ def _plan(max_blocks: int = 64, cell_words: int = 4096):
 @pytest.mark.parametrize("rows, row_words", [(1, 2048), (4, 4096), (64, 2048), (5, 1024), (1, 4)])
 def test_the_fused_kernel_runs_a_program_and_a_block_per_row(rows, row_words):
   from b12x_jax.ops import _triton_lamport as triton
-  plan = triton.rows_plan(_plan(), rows, row_words, 2)
+  plan = triton.rows_plan(_plan(), rows, row_words)
   assert plan.grid == rows and plan.block_words == row_words
   assert plan.tag == (2, 3, rows * row_words // 4, rows)  # the fused op's tag, its grid
 
@@ -182,10 +182,10 @@ def test_the_fused_kernel_runs_a_program_and_a_block_per_row(rows, row_words):
 @pytest.mark.parametrize("rows, row_words, why", [
     (65, 1024, "65 rows of 1024 words do not fit the channel's 64 Lamport cells of 4096 words"),
     (1, 8192, "1 rows of 8192 words do not fit"),
-    (3, 1000, "a row of 1000 words is not a power of two"), (1, 16384, "a row of 16384 words is not a power of two")])
+    (3, 1000, "a row of 1000 words is not a power of two"), (1, 16384, "a row of 16384 words is not a power of two, or above 8192")])
 def test_the_fused_kernel_says_which_rows_it_cannot_take(rows, row_words, why):
   from b12x_jax.ops import _triton_lamport as triton
-  problem = triton.rows_plan(_plan(), rows, row_words, 2)
+  problem = triton.rows_plan(_plan(), rows, row_words)
   assert isinstance(problem, str) and why in problem, problem
 
 

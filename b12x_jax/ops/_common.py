@@ -15,6 +15,7 @@ from jax.interpreters import ad, batching, mlir
 from b12x_jax import _compat, _native
 from b12x_jax.channels import channel_memory, channel_order
 from b12x_jax.communicator import get_communicator, partition_key
+from b12x_jax.errors import ChannelError
 
 
 def axis_size(axis_name: str, op: str) -> int:
@@ -164,7 +165,10 @@ def triton_lowering(ctx, op: str, channel: str, groups, platform: str, params: d
     rows = comm.exchange_records(channel, partition, group, "triton_row", local)
     for rank, device in enumerate(group):
       table[position[device.id]] = np.frombuffer(rows[rank], np.int32)
-  (kernel,) = kernels.values()  # every group of the partition has the same options and sizes
+  if len(kernels) != 1:  # every group of the partition has the same options and sizes
+    raise ChannelError(f"b12x_jax.{op}: the groups of channel {channel!r} planned different Triton kernels "
+                       f"({sorted(map(str, kernels))}); prepare them with one Communicator")
+  (kernel,) = kernels.values()
 
   def call(*args):
     row = jnp.asarray(table)[jax.lax.axis_index(names)] if table.shape[0] > 1 else jnp.asarray(table[0])

@@ -1,15 +1,19 @@
-"""all_reduce in the Lamport window as a Pallas Triton kernel: XLA compiles
-and launches it itself, as it does a fusion, with no FFI call per op
-(docs/DESIGN.md, "Triton kernels").
+"""all_reduce in the Lamport window and the fused all_reduce + residual +
+RMSNorm as Pallas Triton kernels: XLA compiles and launches them itself, as
+it does a fusion, with no FFI call per op (docs/DESIGN.md, "Triton
+kernels").
 
-The kernel speaks the wire protocol of ffi/lamport.h word for word, on the
+The kernels speak the wire protocol of ffi/lamport.h word for word, on the
 channel's own memory: the same cells, headers and empty word, the same call
-tag, the same Signal words (buffer index, call count, packs, served,
-poison), the same plan (grid and packs per block, ffi/all_reduce.h
-plan_for), the same sum in rank order. So Triton and FFI calls interleave on
-one channel in program order. The native layer keeps owning the memory; it
-hands out the addresses (``_native.kernel_view``), which the lowering bakes
-in as constants, one row per device, picked by the device's mesh position.
+tags, the same Signal words (buffer index, call count, packs, served,
+poison), the same plans (all_reduce: grid and packs per block of
+ffi/all_reduce.h plan_for; the fused op: a block per row, as ffi/rmsnorm.h
+plan_rows while rows fit the blocks), the same sum in rank order. So Triton
+and FFI calls interleave on one channel in program order. The native layer
+keeps owning the memory; it hands out the addresses
+(``_native.kernel_view``), which the lowering bakes in as constants, one
+row per device (with that device's wait bounds), picked by the device's
+mesh position.
 
 Every memory access to channel memory is inline PTX on a raw address. Pallas
 marks inline assembly pure, so the compiler may merge, move or drop it
@@ -39,6 +43,11 @@ _U32 = jnp.int32
 ROW_WORDS = 64
 _RANK, _OWN_SIGNAL, _ERROR, _OWN_LAMPORT, _GENERATION = 0, 1, 3, 5, 7
 _PEER_LAMPORT, _PEER_SIGNAL = 8, 24  # + 2 * peer: (low, high) words
+# The wait bounds of this device's process (clock units): in the row, not
+# the plan, as processes may set setup_timeout_s apart and must still lower
+# one program.
+_TIMEOUT, _FIRST_TIMEOUT = 40, 41
+_ALGORITHM_LAMPORT = 3  # ffi/channel.h Algorithm::kLamport
 # The largest block one program takes (it holds every source's words of it).
 MAX_TILE_WORDS = 8192
 # The kernel's clock: globaltimer >> 10, about microseconds, in 32 bits
@@ -75,8 +84,6 @@ class Plan:
   max_blocks: int
   tag: tuple[int, int, int, int]
   tag_op_residual_rmsnorm: int
-  timeout_units: int
-  first_timeout_units: int
   grace_units: int
   signal_offsets: tuple[tuple[str, int], ...]
   error_offsets: tuple[tuple[str, int], ...]
@@ -110,25 +117,25 @@ def why_not(op: str, dtype, nbytes: int, window: int | None) -> str | None:
   return None
 
 
-def rows_plan(plan: Plan, rows: int, row_words: int, tag_op: int) -> Plan | str:
+def rows_plan(plan: Plan, rows: int, row_words: int) -> Plan | str:
   """The fused op's kernel for ``rows`` rows of ``row_words`` words on the
   channel ``plan`` (an all_reduce plan) describes: a program and a block
   per row, as the FFI kernel (a row over several programs would need a
   reduction across them: a block reads only its own cells, _exchange); or
   why the Triton kernel cannot take them."""
   if row_words & (row_words - 1) or row_words > MAX_TILE_WORDS:
-    return (f"a row of {row_words} words is not a power of two of at most {MAX_TILE_WORDS} "
+    return (f"a row of {row_words} words is not a power of two, or above {MAX_TILE_WORDS} "
             "(the Triton kernel's tiles)")
   if row_words > plan.cell_bytes // 4 or rows > plan.max_blocks:
     return (f"{rows} rows of {row_words} words do not fit the channel's {plan.max_blocks} Lamport cells of "
             f"{plan.cell_bytes // 4} words (a row per cell)")
-  return dataclasses.replace(plan, grid=rows, block_words=row_words, tag=(tag_op, plan.tag[1], rows * row_words // 4,
-                                                                          rows))
+  return dataclasses.replace(plan, grid=rows, block_words=row_words,
+                             tag=(plan.tag_op_residual_rmsnorm, _ALGORITHM_LAMPORT, rows * row_words // 4, rows))
 
 
 def plan_problem(view: dict) -> str | None:
   """Why the Triton kernel cannot run the call the kernel view plans, or None."""
-  if view["algorithm"] != 3:  # Algorithm::kLamport
+  if view["algorithm"] != _ALGORITHM_LAMPORT:
     return "the channel plans the call outside its Lamport window"
   words = view["per_block"] * 4
   if view["grid"] * view["per_block"] != view["packs"] or words & (words - 1):
@@ -159,13 +166,12 @@ def call_for(op: str, view: dict, avals, params: dict, *, channel: str, poison: 
     return Call((plan,), lambda row, x: [all_reduce(x, row, plan, channel=channel, poison=poison)])
   x = avals[0]
   hidden = x.shape[-1]
-  rows = rows_plan(plan, int(np.prod(x.shape)) // hidden, hidden * x.dtype.itemsize // 4,
-                   plan.tag_op_residual_rmsnorm)
-  if isinstance(rows, str):
-    return rows
+  fused_plan = rows_plan(plan, int(np.prod(x.shape)) // hidden, hidden * x.dtype.itemsize // 4)
+  if isinstance(fused_plan, str):
+    return fused_plan
   eps = float(params["eps"])
-  return Call((rows, eps), lambda row, x, residual, weight: list(residual_rmsnorm(
-      x, residual, weight, row, rows, eps=eps, channel=channel, poison=poison)))
+  return Call((fused_plan, eps), lambda row, x, residual, weight: list(residual_rmsnorm(
+      x, residual, weight, row, fused_plan, eps=eps, channel=channel, poison=poison)))
 
 
 def _signed(word: int) -> int:
@@ -173,16 +179,18 @@ def _signed(word: int) -> int:
   return int(np.uint32(word).view(np.int32))
 
 
+def _units(ns: int) -> int:
+  """A wait bound of ``ns`` nanoseconds in the kernel's clock units."""
+  return min(_MAX_WAIT_UNITS, max(1, ns >> _CLOCK_SHIFT))
+
+
 def make_plan(view: dict) -> Plan:
-  def units(ns: int) -> int:
-    return min(_MAX_WAIT_UNITS, max(1, ns >> _CLOCK_SHIFT))
   return Plan(world=view["world"], loopback=bool(view["loopback"]), grid=view["grid"],
               block_words=view["per_block"] * 4, cell_bytes=view["cell_bytes"], cells_bytes=view["cells_bytes"],
               max_blocks=view["max_blocks"],
               tag=(view["tag_op"], view["algorithm"], view["packs"], view["grid"]),
               tag_op_residual_rmsnorm=view["tag_op_residual_rmsnorm"],
-              timeout_units=units(view["timeout_ns"]), first_timeout_units=units(view["first_timeout_ns"]),
-              grace_units=units(view["poison_grace_ns"]),
+              grace_units=_units(view["poison_grace_ns"]),
               signal_offsets=tuple(sorted(view["signal_offsets"].items())),
               error_offsets=tuple(sorted(view["error_offsets"].items())),
               empty_word=_signed(view["empty_word"]), nan_word=_signed(view["nan_word"]),
@@ -201,6 +209,7 @@ def table_row(view: dict) -> np.ndarray:
 
   row[_RANK] = rank
   row[_GENERATION] = view["generation"]  # of this device's group: checked by every call (DESIGN "Lifetime")
+  row[_TIMEOUT], row[_FIRST_TIMEOUT] = _units(view["timeout_ns"]), _units(view["first_timeout_ns"])
   put(_OWN_SIGNAL, view["signals"][rank])
   put(_ERROR, view["error"])
   put(_OWN_LAMPORT, view["lamport"][rank])
@@ -274,7 +283,7 @@ def _exchange(plan: Plan, table_ref, x_words: jax.Array):
 
   # Every table word is read here, once: a ref read inside a loop body
   # would make the ref a loop constant, which Pallas Triton mislowers.
-  table = [table_ref[k] for k in range(_PEER_SIGNAL + 2 * plan.world)]
+  table = {k: table_ref[k] for k in (*range(_PEER_SIGNAL + 2 * plan.world), _TIMEOUT, _FIRST_TIMEOUT)}
 
   def address(at: int):
     return table[at], table[at + 1]
@@ -348,7 +357,7 @@ def _exchange(plan: Plan, table_ref, x_words: jax.Array):
   #    after the grace.
   first_call_flag = jnp.max((served == zero).astype(jnp.int32))  # 1 until the block met its peers once
   first_call = first_call_flag > 0
-  bound = plan.timeout_units + first_call_flag * (plan.first_timeout_units - plan.timeout_units)
+  bound = table[_TIMEOUT] + first_call_flag * (table[_FIRST_TIMEOUT] - table[_TIMEOUT])
   spin_bound = jnp.minimum(bound, _MAX_WAIT_UNITS // _SPINS_PER_UNIT) * _SPINS_PER_UNIT
   sources = list(range(plan.world))
   read_tag = tag_of(header_lanes)

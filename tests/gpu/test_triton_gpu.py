@@ -115,7 +115,7 @@ def test_an_executable_of_an_earlier_preparation_stops_with_nan_and_an_error():
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
-def test_the_fused_kernel_matches_float64_and_the_ffi_residual_bits(dtype_name):
+def test_the_fused_kernel_matches_float64_and_rounds_the_residual_once(dtype_name):
   # Rows of 1 to 64, a program per row; the FFI kernel (float16 has no
   # Triton one) runs the same shapes on the same channel in between.
   from helpers import DTYPES, assert_residual_rmsnorm_matches, residual_rmsnorm_fn, residual_rmsnorm_inputs
@@ -134,7 +134,7 @@ def test_the_fused_kernel_matches_float64_and_the_ffi_residual_bits(dtype_name):
         assert_residual_rmsnorm_matches(normed, new_residual, shards, residual, weight, 1e-6, dtype)
         kinds = [d.kernel for d in comm.decisions[decided:]]
         assert kinds == (["ffi"] if dtype == "float16" else ["triton"]), (rows, hidden, dtype, kinds)
-        if dtype != "float16":  # the sum plus residual, rounded once: what the FFI kernel computes too
+        if dtype != "float16":  # the sum plus residual, rounded once (ffi/rmsnorm.h)
           want = (shards[0].astype(np.float32) + residual.astype(np.float32)).astype(DTYPES[dtype])
           assert _same_bits(new_residual[0], want), (rows, hidden)
     assert comm.stats("fused", mesh.devices.flat[0])["epoch"] == 2 * len(cases)
