@@ -48,8 +48,9 @@ B12X_HD float bits_f32(uint32_t u) {
 #endif
 }
 
-// Host conversions are written out bit by bit (round to nearest even, NaN
-// kept quiet) to match the CUDA intrinsics exactly.
+// Host conversions are written out bit by bit (round to nearest even; NaN
+// becomes 0x7FFF, the canonical NaN of cvt.rn.bf16.f32) to match the CUDA
+// intrinsics exactly.
 B12X_HD float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
 
 B12X_HD uint16_t f32_to_bf16(float f) {
@@ -57,7 +58,7 @@ B12X_HD uint16_t f32_to_bf16(float f) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(f));
 #else
   uint32_t u = f32_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fffu;
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 #endif

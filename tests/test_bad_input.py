@@ -271,6 +271,9 @@ def test_nan_and_inf_payloads_follow_float64_numpy_position_by_position(cpu_mesh
   if path == "b12x":
     first = np.ascontiguousarray(got[0]).view(np.uint64)
     assert all(np.array_equal(first, np.ascontiguousarray(g).view(np.uint64)) for g in got[1:]), "ranks differ"
+  if path == "b12x" and dtype_name == "bfloat16":  # CUDA's canonical NaN (cvt.rn.bf16.f32), as the GPU kernels
+    bits = np.asarray(_all_reduce(mesh, shards)).view(np.uint16)
+    assert (bits[:, np.isnan(want)] == 0x7FFF).all(), bits[:, np.isnan(want)]
   _assert_still_usable(mesh)
 
 
