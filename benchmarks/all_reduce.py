@@ -12,6 +12,9 @@ Columns (impls):
   b12x_one_shot, b12x_two_shot, b12x_one_shot_pull   the algorithm forced above
                 the Lamport window (push one-shot, push two-shot, pull one-shot);
                 a suffix _blocksN caps the grid at N blocks (max_blocks)
+  b12x_triton   all_reduce with Communicator(kernels="triton"): the Pallas
+                Triton kernel in the Lamport window (a cell marked "ffi
+                kernel" where it fell back), the FFI kernels above it
   psum          jax.lax.psum
   floor         a custom call that launches an empty kernel (GPU only): what
                 XLA charges per FFI call, the floor under any collective
@@ -33,7 +36,8 @@ import sys
 from _common import add_timing_arguments, gpu_count, per_op_us, size_label
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20, 32 << 20]
-IMPL = re.compile(r"b12x(?P<barrier>_barrier)?(?:_(?P<algorithm>one_shot_pull|one_shot|two_shot))?(?:_blocks(?P<blocks>\d+))?")
+IMPL = re.compile(r"b12x(?P<barrier>_barrier)?(?:_(?P<algorithm>one_shot_pull|one_shot|two_shot))?(?:_blocks(?P<blocks>\d+))?"
+                  r"(?P<triton>_triton)?")
 ONESHOT_FLAG = "--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE"
 NO_GRAPHS = "--xla_gpu_enable_command_buffer="
 # The baselines run in child processes on the same GPUs: no preallocation.
@@ -71,8 +75,9 @@ def measure(impls: list[str], sizes: list[int], ops: int, iters: int, devices: i
       x = jax.device_put(jnp.ones((devices * elems,), jnp.bfloat16) * 1e-3, NamedSharding(mesh, P("x")))
       with b12x_jax.channel("bench"):
         us = per_op_us(lambda: fn(x), ops, iters)
-      path = b12x_jax.get_communicator().decisions[-1].path if impl.startswith("b12x") else impl
-      results.setdefault(str(size), {})[impl] = {"us": us, "path": path}
+      last = b12x_jax.get_communicator().decisions[-1] if impl.startswith("b12x") else None
+      results.setdefault(str(size), {})[impl] = {"us": us, "path": last.path if last else impl,
+                                                 "kernel": last.kernel if last else None}
   b12x_jax.check_errors()
   return results
 
@@ -89,6 +94,8 @@ def _options(impl: str, capacity: int) -> dict:
     options["algorithm"] = match["algorithm"]
   if match["blocks"]:
     options["max_blocks"] = int(match["blocks"])
+  if match["triton"]:
+    options["kernels"] = "triton"
   return options
 
 
@@ -139,7 +146,7 @@ def main() -> None:
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
   sizes = [int(s) for s in args.sizes.split(",")]
-  args.impls = args.impls or ("b12x,b12x_barrier,psum,floor" if gpu_count() >= 2 else "b12x,psum")
+  args.impls = args.impls or ("b12x,b12x_triton,b12x_barrier,psum,floor" if gpu_count() >= 2 else "b12x,psum")
   if args.child:
     print("RESULT " + json.dumps(measure(args.impls.split(","), sizes, args.ops, args.iters, args.devices)))
     return
@@ -167,8 +174,9 @@ def main() -> None:
   print("|---|" + "---|" * (len(columns) + 1))
   for size in sizes:
     row = results[str(size)]
-    cells = [f"{row[c]['us']:.1f}" + (" (psum path)" if c.startswith("b12x") and row[c]["path"] == "psum" else "")
-             for c in columns]
+    cells = [f"{row[c]['us']:.1f}" + (" (psum path)" if c.startswith("b12x") and row[c]["path"] == "psum" else
+                                      " (ffi kernel)" if c.endswith("_triton") and row[c].get("kernel") == "ffi"
+                                      else "") for c in columns]
     speedup = row["psum"]["us"] / row["b12x"]["us"] if "b12x" in row and "psum" in row else float("nan")
     print(f"| {size_label(size)} | " + " | ".join(cells) + f" | {speedup:.2f}x |")
   big = [s for s in sizes if s >= 1 << 20]

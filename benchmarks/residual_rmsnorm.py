@@ -6,6 +6,9 @@ steps (the next step's input is this step's normed output), timed like every
 benchmark here (_common.per_op_us). Columns:
   fused     b12x_jax.all_reduce_residual_rmsnorm (one kernel on CUDA)
   unfused   b12x_jax.all_reduce, then the add and RMSNorm in jnp (XLA fuses them)
+  fused_triton, unfused_triton   the same with Communicator(kernels="triton"):
+            the Pallas Triton kernels (a cell marked "ffi kernel" where the
+            call fell back)
   psum      jax.lax.psum, then the same jnp
 
   python benchmarks/residual_rmsnorm.py      # GPUs if >= 2, else CPU devices
@@ -39,6 +42,7 @@ def _step(impl: str):
   import jax
 
   import b12x_jax
+  impl = impl.removesuffix("_triton")
   if impl == "fused":
     return lambda x, res, w: b12x_jax.all_reduce_residual_rmsnorm(x, res, w, "x", eps=EPS)
   if impl == "unfused":
@@ -61,6 +65,10 @@ def measure(impls: list[str], shapes: list[tuple[int, int]], ops: int, iters: in
   results: dict = {}
   for impl in impls:
     step = _step(impl)
+    kernels = "triton" if impl.endswith("_triton") else "ffi"
+    if b12x_jax.get_communicator().kernels != kernels:
+      b12x_jax.get_communicator().close()
+      b12x_jax.set_communicator(b12x_jax.Communicator(kernels=kernels))
 
     def body(x, res, w, step=step):
       for _ in range(ops):
@@ -76,8 +84,9 @@ def measure(impls: list[str], shapes: list[tuple[int, int]], ops: int, iters: in
       with b12x_jax.channel("bench"):
         us = per_op_us(lambda: fn(x, res, w), ops, iters)
       decisions = b12x_jax.get_communicator().decisions
-      path = decisions[-1].path if impl != "psum" and decisions else impl
-      results.setdefault(f"{rows}x{hidden}", {})[impl] = {"us": us, "path": path}
+      last = decisions[-1] if impl != "psum" and decisions else None
+      results.setdefault(f"{rows}x{hidden}", {})[impl] = {"us": us, "path": last.path if last else impl,
+                                                          "kernel": last.kernel if last else None}
   b12x_jax.check_errors()
   return results
 
@@ -87,22 +96,25 @@ def main() -> None:
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   add_timing_arguments(parser)
   parser.add_argument("--shapes", default=",".join(f"{r}x{h}" for r, h in SHAPES), help="ROWSxHIDDEN,...")
-  parser.add_argument("--impls", default="fused,unfused,psum", help="columns, comma-separated")
+  parser.add_argument("--impls", default=None, help="columns, comma-separated; when not given, "
+                      "fused,unfused,fused_triton,unfused_triton,psum on GPUs, fused,unfused,psum on CPU")
   args = parser.parse_args()
   shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-  impls = args.impls.split(",")
+  impls = (args.impls or ("fused,unfused,fused_triton,unfused_triton,psum" if gpu_count() >= 2 else
+                          "fused,unfused,psum")).split(",")
+  ratio_columns = [("unfused", "fused"), ("psum", "fused"), ("unfused_triton", "fused_triton")]
+  ratio_columns = [(a, b) for a, b in ratio_columns if a in impls and b in impls]
   results = measure(impls, shapes, args.ops, args.iters, args.devices)
   print(f"\nall_reduce + residual add + RMSNorm, bf16, {args.devices} devices, {args.ops} chained steps per "
         f"executable, median of {args.iters} runs, us per step")
-  print("| rows x hidden | " + " | ".join(impls) + " | unfused / fused | psum / fused |")
-  print("|---|" + "---|" * (len(impls) + 2))
+  print("| rows x hidden | " + " | ".join(impls) + "".join(f" | {a} / {b}" for a, b in ratio_columns) + " |")
+  print("|---|" + "---|" * (len(impls) + len(ratio_columns)))
   for rows, hidden in shapes:
     row = results[f"{rows}x{hidden}"]
-    cells = [f"{row[c]['us']:.1f}" + ("" if row[c]["path"] in ("b12x", c) else f" ({row[c]['path']} path)")
-             for c in impls]
-    ratios = [row[c]["us"] / row["fused"]["us"] if "fused" in row and c in row else float("nan")
-              for c in ("unfused", "psum")]
-    print(f"| {rows} x {hidden} | " + " | ".join(cells) + " | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+    cells = [f"{row[c]['us']:.1f}" + ("" if row[c]["path"] in ("b12x", c) else f" ({row[c]['path']} path)") +
+             (" (ffi kernel)" if c.endswith("_triton") and row[c]["kernel"] == "ffi" else "") for c in impls]
+    ratios = [row[a]["us"] / row[b]["us"] for a, b in ratio_columns]
+    print(f"| {rows} x {hidden} | " + " | ".join(cells) + "".join(f" | {r:.2f}x" for r in ratios) + " |")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=1)
