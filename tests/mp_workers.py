@@ -203,17 +203,23 @@ def residual_rmsnorm_mode(args) -> dict:
   its results against float64, for each dtype and a few shapes, on fresh
   inputs. Returns the hashes of the results, for the test to compare, and
   the kernel kinds each call's decisions name (at trace time, and a
-  lowering's fallback)."""
+  lowering's fallback). With ``--wrap`` the calls cross the uint32 wrap of
+  the counters (the hook, a barrier, then the calls)."""
   import jax
   import numpy as np
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   import b12x_jax
+  from b12x_jax import _compat
   from helpers import DTYPES, assert_residual_rmsnorm_matches, residual_rmsnorm_fn, residual_rmsnorm_inputs
   comm = _communicator(args)
   b12x_jax.set_communicator(comm)
   mesh = _mesh()
+  if args.wrap:
+    comm.prepare(mesh, "x", channels=["mp_fused"])
+    comm._start_counters("mp_fused", 2**32 - 5)
+    _compat.distributed_client().wait_at_barrier("b12x_jax_fused_wrap_counters", 60_000)
   fn, me, eps = residual_rmsnorm_fn(mesh), jax.process_index(), 1e-6
   rng = np.random.default_rng(6)  # the same inputs in every process
   hashes, kernels = {}, {}
@@ -231,7 +237,7 @@ def residual_rmsnorm_mode(args) -> dict:
         hashes[f"{dtype_name}/{rows}x{hidden}"] = hashlib.sha256(normed.tobytes() + new_residual.tobytes()).hexdigest()
         kernels[f"{dtype_name}/{rows}x{hidden}"] = [d.kernel for d in comm.decisions[decided:]]
   b12x_jax.check_errors()
-  return {"hashes": hashes, "kernels": kernels}
+  return {"hashes": hashes, "kernels": kernels, "epoch": comm.stats("mp_fused", jax.local_devices()[0])["epoch"]}
 
 
 def never_calls_mode(args) -> dict:
@@ -814,6 +820,7 @@ def main() -> None:
   parser.add_argument("--communicator", default="{}")  # every process's Communicator arguments (JSON)
   parser.add_argument("--communicators", default="[]")  # settings mode: one process's each, over --communicator
   parser.add_argument("--configs", default="[{}]")  # all_reduce mode: Communicators run in turn
+  parser.add_argument("--wrap", action="store_true")  # residual_rmsnorm mode: start the counters 5 calls before the wrap
   args = parser.parse_args()
   sys.path.insert(0, os.path.dirname(__file__))
   _setup(args)

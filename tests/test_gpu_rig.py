@@ -41,11 +41,15 @@ def test_the_fused_op_matches_float64_with_identical_bits(gpu_rig, n):
   assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == 9
 
 
+@pytest.mark.parametrize("graphs", ["on", "off"])
 @pytest.mark.parametrize("n", WORLDS)
-def test_the_triton_fused_op_matches_float64_with_identical_bits(gpu_rig, n):
-  results = gpu_rig("residual_rmsnorm", n, communicator={"poison_outputs": True, "kernels": "triton",
-                                                          "timeout_s": 5.0, "setup_timeout_s": 20.0})
+def test_the_triton_fused_op_matches_float64_with_identical_bits_across_the_wrap(gpu_rig, n, graphs):
+  results = gpu_rig("residual_rmsnorm", n, "--wrap", env=GRAPHS_OFF if graphs == "off" else None,
+                    communicator={"poison_outputs": True, "kernels": "triton", "timeout_s": 5.0,
+                                  "setup_timeout_s": 20.0})
   assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == 9
+  # 9 calls from 5 before the wrap: the FFI (float16) calls and the Triton ones share the channel's counters.
+  assert {r["epoch"] for r in results} == {(2 * (2**32 - 5) + 9) % 2**32}, results  # both counters wrapped
   for case, kinds in results[0]["kernels"].items():  # float16 has no Triton kernel: the FFI one ran it
     assert kinds == (["ffi"] if case.startswith("float16") else ["triton"]), (case, kinds)
 

@@ -242,3 +242,9 @@ def test_every_process_lowers_one_program_with_every_devices_triton_addresses(mu
   for r in results:
     assert r["kernels"][:3] == ["triton", "triton", "ffi"] and r["tables"] == 2, r
     assert r["rows_filled"] == [[True] * n] * 2, r
+
+
+def test_the_fused_op_is_right_across_the_counter_wrap_between_processes(multiprocess):
+  results = multiprocess("residual_rmsnorm", 2, "--wrap", "--communicator", json.dumps({"poison_outputs": True}))
+  assert results[0]["hashes"] == results[1]["hashes"] and len(results[0]["hashes"]) == 9, results
+  assert {r["epoch"] for r in results} == {(2 * (2**32 - 5) + 9) % 2**32}, results  # both counters wrapped
