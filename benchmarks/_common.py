@@ -27,3 +27,14 @@ def gpu_count() -> int:
     return len(jax.devices("gpu"))
   except RuntimeError:
     return 0
+
+
+def add_and_norm(total, residual, weight, eps: float = 1e-6):
+  """What a user writes after an all-reduce instead of the fused op: the
+  residual add, rounded, then RMSNorm of it (b12x_jax's unfused path)."""
+  import jax
+  import jax.numpy as jnp
+  new_residual = (total.astype(jnp.float32) + residual.astype(jnp.float32)).astype(total.dtype)
+  r = new_residual.astype(jnp.float32)
+  normed = r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + eps) * weight.astype(jnp.float32)
+  return normed.astype(total.dtype), new_residual

@@ -27,7 +27,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import add_timing_arguments, per_op_us, size_label
+from _common import add_and_norm, add_timing_arguments, per_op_us, size_label
 from jax.sharding import PartitionSpec as P
 
 import b12x_jax
@@ -95,20 +95,13 @@ def interleave(mesh, comm, rng) -> None:
 FUSED_SHAPES = [(rows, hidden) for hidden in (4096, 8192) for rows in (1, 8, 64)]
 
 
-def _add_and_norm(total, residual, weight, eps=1e-6):
-  new_residual = (total.astype(jnp.float32) + residual.astype(jnp.float32)).astype(total.dtype)
-  r = new_residual.astype(jnp.float32)
-  normed = r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + eps) * weight.astype(jnp.float32)
-  return normed.astype(total.dtype), new_residual
-
-
 def chained_fused(mesh, ops: int, fused: bool):
   def body(x, residual, weight):
     for _ in range(ops):
       if fused:
         x, residual = b12x_jax.all_reduce_residual_rmsnorm(x, residual, weight, "x")
       else:
-        x, residual = _add_and_norm(b12x_jax.all_reduce(x, "x"), residual, weight)
+        x, residual = add_and_norm(b12x_jax.all_reduce(x, "x"), residual, weight)
     return x, residual
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P()), out_specs=(P("x"), P())))
 

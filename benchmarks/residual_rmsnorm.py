@@ -20,22 +20,12 @@ import argparse
 import json
 import os
 
-from _common import add_timing_arguments, gpu_count, per_op_us
+from _common import add_and_norm, add_timing_arguments, gpu_count, per_op_us
 
 SHAPES = [(1, 4096), (8, 4096), (16, 4096), (64, 4096), (1, 8192), (8, 8192), (16, 8192), (64, 8192)]
 EPS = 1e-6
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-
-
-def _add_and_norm(total, residual, weight):
-  """The user's unfused code after an all-reduce."""
-  import jax
-  import jax.numpy as jnp
-  new_residual = (total.astype(jnp.float32) + residual.astype(jnp.float32)).astype(total.dtype)
-  r = new_residual.astype(jnp.float32)
-  normed = r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + EPS) * weight.astype(jnp.float32)
-  return normed.astype(total.dtype), new_residual
 
 
 def _step(impl: str):
@@ -46,9 +36,9 @@ def _step(impl: str):
   if impl == "fused":
     return lambda x, res, w: b12x_jax.all_reduce_residual_rmsnorm(x, res, w, "x", eps=EPS)
   if impl == "unfused":
-    return lambda x, res, w: _add_and_norm(b12x_jax.all_reduce(x, "x"), res, w)
+    return lambda x, res, w: add_and_norm(b12x_jax.all_reduce(x, "x"), res, w, EPS)
   if impl == "psum":
-    return lambda x, res, w: _add_and_norm(jax.lax.psum(x, "x"), res, w)
+    return lambda x, res, w: add_and_norm(jax.lax.psum(x, "x"), res, w, EPS)
   raise ValueError(f"unknown impl {impl!r}")
 
 

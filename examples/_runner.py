@@ -1,7 +1,7 @@
 """What the examples share: running as several jax.distributed processes on
 this host, one device (one b12x rank) each (the way a production server runs
 one process per GPU, and the one-GPU rig: every process on GPU 0, over CUDA
-IPC; start MPS first for speed), and a progress report."""
+IPC; start MPS first for speed), a progress report and a bar chart."""
 
 from __future__ import annotations
 
@@ -88,14 +88,27 @@ class Progress:
       print(f"  [{self.done}/{self.total}, {time.monotonic() - self.start:.1f} s] {label}", file=sys.stderr, flush=True)
 
 
-def pyplot(path: str):
-  """matplotlib.pyplot on the Agg backend, or None (and a line saying that
-  no plot goes to ``path``) where matplotlib is not importable."""
+def bar_chart(path: str, bars: dict[str, tuple[str, str, float]], ylabel: str, title: str,
+              notes: dict[str, str] | None = None) -> None:
+  """A PNG at ``path`` of one bar per entry of ``bars`` (key -> (label,
+  color, value)), each with its ``notes`` line above it; or a line saying
+  none is written where matplotlib is not importable."""
   try:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
     print(f"--plot {path}: matplotlib is not importable; no plot written")
-    return None
-  return plt
+    return
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  drawn = ax.bar([label for label, _, _ in bars.values()], [value for _, _, value in bars.values()],
+                 color=[color for _, color, _ in bars.values()])
+  for key, bar in zip(bars, drawn):
+    if notes and key in notes:
+      ax.annotate(notes[key], (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                  fontsize=8)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print(f"plot written to {path}")

@@ -180,19 +180,11 @@ def global_array(x: np.ndarray, sharding) -> jax.Array:
 
 def plot(path: str, platform: str, us_per_step: dict) -> None:
   """Bars of us per decode step for each merge."""
-  plt = _runner.pyplot(path)
-  if plt is None:
-    return
-  fig, ax = plt.subplots(figsize=(6, 3.5))
-  labels = {"b12x": "b12x_jax.dcp_a2a", "all_to_all": "all_to_all + merge", "none": "no merge"}
-  colors = {"b12x": "tab:blue", "all_to_all": "tab:orange", "none": "tab:gray"}
-  ax.bar([labels[m] for m in us_per_step], list(us_per_step.values()), color=[colors[m] for m in us_per_step])
-  ax.set_ylabel("us per decode step")
-  ax.set_title(f"DCP decode, {args.devices} x {platform}, B={args.batch} H={args.heads} D={args.head_dim}, "
-               f"{args.kv_len} positions", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  print(f"plot written to {path}")
+  styles = {"b12x": ("b12x_jax.dcp_a2a", "tab:blue"), "all_to_all": ("all_to_all + merge", "tab:orange"),
+            "none": ("no merge", "tab:gray")}
+  _runner.bar_chart(path, {m: (*styles[m], us) for m, us in us_per_step.items()}, "us per decode step",
+                    f"DCP decode, {args.devices} x {platform}, B={args.batch} H={args.heads} D={args.head_dim}, "
+                    f"{args.kv_len} positions")
 
 
 def main() -> None:

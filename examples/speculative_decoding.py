@@ -419,22 +419,12 @@ def check_args(n: int) -> None:
 
 def plot(path: str, platform: str, ms_per_token: dict, shares: dict) -> None:
   """Bars of ms per token of each kind of collective, labelled with the collectives' share."""
-  plt = _runner.pyplot(path)
-  if plt is None:
-    return
-  fig, ax = plt.subplots(figsize=(6, 3.5))
-  labels = {"b12x": "b12x_jax", "b12x-triton": "b12x_jax (Triton)", "psum": "jax.lax.psum"}
-  colors = {"b12x": "tab:blue", "b12x-triton": "tab:green", "psum": "tab:orange"}
-  bars = ax.bar([labels[k] for k in ms_per_token], list(ms_per_token.values()), color=[colors[k] for k in ms_per_token])
-  for bar, share in zip(bars, shares.values()):
-    ax.annotate(f"collectives {share:.0%} of a round", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                ha="center", va="bottom", fontsize=8)
-  ax.set_ylabel("ms per token")
-  ax.set_title(f"speculative decoding, {args.devices} x {platform}, hidden {args.hidden}, {args.layers} layers, "
-               f"{args.dtype}", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  print(f"plot written to {path}")
+  styles = {"b12x": ("b12x_jax", "tab:blue"), "b12x-triton": ("b12x_jax (Triton)", "tab:green"),
+            "psum": ("jax.lax.psum", "tab:orange")}
+  notes = {k: f"collectives {share:.0%} of a round" for k, share in shares.items()}
+  _runner.bar_chart(path, {k: (*styles[k], ms) for k, ms in ms_per_token.items()}, "ms per token",
+                    f"speculative decoding, {args.devices} x {platform}, hidden {args.hidden}, {args.layers} "
+                    f"layers, {args.dtype}", notes)
 
 
 def main() -> None:

@@ -21,9 +21,17 @@ def run_example(name: str, *args: str, devices: int = 2, timeout: float = 240.0)
                         env=env, timeout=timeout)
 
 
-def test_speculative_decoding_tokens_equal_greedy_decoding_on_one_device():
+def _plotted(out: str, path) -> bool:
+  """--plot wrote its PNG, or said that it could not (matplotlib is no dependency)."""
+  return os.path.getsize(path) > 0 if os.path.exists(path) else \
+      f"--plot {path}: matplotlib is not importable; no plot written" in out
+
+
+def test_speculative_decoding_tokens_equal_greedy_decoding_on_one_device(tmp_path):
   # float32: rounding cannot split greedy choices, so both variants must equal the reference exactly.
-  proc = run_example("speculative_decoding.py", "--batch", "2", "--k", "3", "--new-tokens", "20", "--repeats", "1")
+  png = tmp_path / "speculative.png"
+  proc = run_example("speculative_decoding.py", "--batch", "2", "--k", "3", "--new-tokens", "20", "--repeats", "1",
+                     "--plot", str(png))
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   out = proc.stdout
   assert "tokens equal plain greedy decoding of the target on one device (b12x, psum; 2 x 20 new tokens)" in out, out
@@ -37,17 +45,20 @@ def test_speculative_decoding_tokens_equal_greedy_decoding_on_one_device():
   assert paths == "all_reduce b12x, all_reduce_residual_rmsnorm b12x", paths
   for row in ("ms per token (latency)", "tokens/s", "collectives share of a round", "acceptance"):
     assert row in out, row
+  assert _plotted(out, png), out
 
 
-def test_dcp_decode_matches_full_attention_in_float64_on_four_ranks():
+def test_dcp_decode_matches_full_attention_in_float64_on_four_ranks(tmp_path):
+  png = tmp_path / "dcp.png"
   proc = run_example("dcp_decode.py", "--devices", "4", "--batch", "3", "--heads", "8", "--head-dim", "64",
-                     "--kv-len", "128", "--steps", "8", "--repeats", "2", devices=4)
+                     "--kv-len", "128", "--steps", "8", "--repeats", "2", "--plot", str(png), devices=4)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   out = proc.stdout
   assert "dcp_a2a path: b12x" in out, out
   for merge in ("b12x", "all_to_all"):
     assert re.search(rf"^{merge} +: +[\d.]+ us per decode step; relative error over 8 steps", out, re.M), out
   assert out.rstrip().endswith("dcp decode OK")
+  assert _plotted(out, png), out
 
 
 @pytest.mark.parametrize(("name", "args", "check"), [

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_sum_matches, fresh_communicator, lower_for_cuda, put_sharded, random_shards
+from helpers import (assert_residual_rmsnorm_matches, assert_sum_matches, fresh_communicator, lower_for_cuda, put_sharded,
+                     random_shards, residual_rmsnorm_fn, residual_rmsnorm_inputs)
 from jax.sharding import PartitionSpec as P
 
 import b12x_jax
@@ -164,7 +165,7 @@ def test_each_device_gets_its_own_addresses_and_the_generation_of_its_preparatio
 def _plan(max_blocks: int = 64, cell_words: int = 4096):
   from b12x_jax.ops import _triton_lamport as triton
   view = {"world": 2, "loopback": False, "grid": 1, "per_block": 1, "cell_bytes": 4 * cell_words,
-          "cells_bytes": 0, "max_blocks": max_blocks, "tag_op": 1, "tag_op_residual_rmsnorm": 2, "algorithm": 3,
+          "cells_bytes": 0, "max_blocks": max_blocks, "tag_op": 1, "algorithm": 3,
           "packs": 1, "timeout_ns": 10**9, "first_timeout_ns": 10**9, "poison_grace_ns": 10**6,
           "signal_offsets": {}, "error_offsets": {}, "empty_word": 0xFFFFFFFF, "nan_word": 0x7FFF7FFF,
           "failure_timeout": 1, "failure_mismatch": 2, "failure_stale": 3, "error_complete": 1}
@@ -174,18 +175,19 @@ def _plan(max_blocks: int = 64, cell_words: int = 4096):
 @pytest.mark.parametrize("rows, row_words", [(1, 2048), (4, 4096), (64, 2048), (5, 1024), (1, 4)])
 def test_the_fused_kernel_runs_a_program_and_a_block_per_row(rows, row_words):
   from b12x_jax.ops import _triton_lamport as triton
-  plan = triton.rows_plan(_plan(), rows, row_words)
+  plan = triton.rows_plan(_plan(), rows, 4 * row_words, 2)
   assert plan.grid == rows and plan.block_words == row_words
   assert plan.tag == (2, 3, rows * row_words // 4, rows)  # the fused op's tag, its grid
 
 
 @pytest.mark.parametrize("rows, row_words, why", [
-    (65, 1024, "65 rows of 1024 words do not fit the channel's 64 Lamport cells of 4096 words"),
-    (1, 8192, "1 rows of 8192 words do not fit"),
-    (3, 1000, "a row of 1000 words is not a power of two"), (1, 16384, "a row of 16384 words is not a power of two, or above 8192")])
+    (65, 1024, "65 rows of 4096 bytes do not fit the channel's 64 Lamport cells of 16384 bytes"),
+    (1, 8192, "1 rows of 32768 bytes do not fit"),
+    (3, 1000, "a row of 4000 bytes is not a power of two of 32-bit words"),
+    (1, 16384, "a row of 65536 bytes is not a power of two of 32-bit words, or above 8192")])
 def test_the_fused_kernel_says_which_rows_it_cannot_take(rows, row_words, why):
   from b12x_jax.ops import _triton_lamport as triton
-  problem = triton.rows_plan(_plan(), rows, row_words)
+  problem = triton.rows_plan(_plan(), rows, 4 * row_words, 2)
   assert isinstance(problem, str) and why in problem, problem
 
 
@@ -209,3 +211,18 @@ def test_the_fused_op_lowers_to_its_triton_kernel_for_cuda_and_float16_to_ffi(cp
   assert text.count('@__gpu$xla.gpu.triton') == 1 and 'b12x_residual_rmsnorm_lamport_fusedchain' in text
   assert text.count("@b12x_residual_rmsnorm(") == 1  # the float16 call
   assert [d.kernel for d in comm.decisions] == ["triton", "ffi"], comm.decisions
+
+
+def test_the_fused_ops_decision_names_rows_the_triton_kernel_cannot_take(cpu_mesh):
+  # Said at trace time (the lowering's own check is then never the first to see it); strict refuses there.
+  mesh = cpu_mesh(2)
+  shards, residual, weight = residual_rmsnorm_inputs(np.random.default_rng(9), 2, 2, 1000, "float32")
+  args = (jax.device_put(shards, jax.sharding.NamedSharding(mesh, P("x"))), jnp.asarray(residual), jnp.asarray(weight))
+  with fresh_communicator(kernels="triton") as comm, b12x_jax.channel("oddrows"):
+    normed, new_residual = (np.asarray(o) for o in residual_rmsnorm_fn(mesh)(*args))
+    assert_residual_rmsnorm_matches(normed, new_residual, shards, residual, weight, 1e-6, "float32")
+    decision = comm.decisions[0]
+    assert decision.kernel == "ffi" and "a row of 4000 bytes is not a power of two of 32-bit words" in decision.reason
+  with fresh_communicator(kernels="triton", policy="strict"), b12x_jax.channel("oddrows"):
+    with pytest.raises(b12x_jax.IneligibleError, match=r"kernels='triton' but a row of 4000 bytes is not a power"):
+      residual_rmsnorm_fn(mesh)(*args)

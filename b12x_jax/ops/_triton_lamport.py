@@ -83,7 +83,6 @@ class Plan:
   cells_bytes: int
   max_blocks: int
   tag: tuple[int, int, int, int]
-  tag_op_residual_rmsnorm: int
   grace_units: int
   signal_offsets: tuple[tuple[str, int], ...]
   error_offsets: tuple[tuple[str, int], ...]
@@ -117,20 +116,33 @@ def why_not(op: str, dtype, nbytes: int, window: int | None) -> str | None:
   return None
 
 
-def rows_plan(plan: Plan, rows: int, row_words: int) -> Plan | str:
-  """The fused op's kernel for ``rows`` rows of ``row_words`` words on the
-  channel ``plan`` (an all_reduce plan) describes: a program and a block
-  per row, as the FFI kernel (a row over several programs would need a
-  reduction across them: a block reads only its own cells, _exchange); or
-  why the Triton kernel cannot take them."""
-  if row_words & (row_words - 1) or row_words > MAX_TILE_WORDS:
-    return (f"a row of {row_words} words is not a power of two, or above {MAX_TILE_WORDS} "
+def rows_problem(rows: int, row_bytes: int, cell_bytes: int, max_blocks: int) -> str | None:
+  """Why the fused op's Triton kernel cannot take ``rows`` rows of
+  ``row_bytes`` on a channel of ``max_blocks`` Lamport cells of
+  ``cell_bytes``, or None: it runs a program and a block per row, as the
+  FFI kernel (a row over several programs would need a reduction across
+  them: a block reads only its own cells, _exchange). Checked at trace
+  time, so the decision says it, and again by rows_plan when lowering."""
+  row_words = row_bytes // 4
+  if row_bytes % 4 or row_words & (row_words - 1) or row_words > MAX_TILE_WORDS:
+    return (f"a row of {row_bytes} bytes is not a power of two of 32-bit words, or above {MAX_TILE_WORDS} "
             "(the Triton kernel's tiles)")
-  if row_words > plan.cell_bytes // 4 or rows > plan.max_blocks:
-    return (f"{rows} rows of {row_words} words do not fit the channel's {plan.max_blocks} Lamport cells of "
-            f"{plan.cell_bytes // 4} words (a row per cell)")
+  if row_bytes > cell_bytes or rows > max_blocks:
+    return (f"{rows} rows of {row_bytes} bytes do not fit the channel's {max_blocks} Lamport cells of "
+            f"{cell_bytes} bytes (a row per cell)")
+  return None
+
+
+def rows_plan(plan: Plan, rows: int, row_bytes: int, tag_op: int) -> Plan | str:
+  """The fused op's kernel (op ``tag_op`` in its tag) for ``rows`` rows of
+  ``row_bytes`` on the channel ``plan`` (an all_reduce plan) describes, or
+  rows_problem's reason."""
+  problem = rows_problem(rows, row_bytes, plan.cell_bytes, plan.max_blocks)
+  if problem is not None:
+    return problem
+  row_words = row_bytes // 4
   return dataclasses.replace(plan, grid=rows, block_words=row_words,
-                             tag=(plan.tag_op_residual_rmsnorm, _ALGORITHM_LAMPORT, rows * row_words // 4, rows))
+                             tag=(tag_op, _ALGORITHM_LAMPORT, rows * row_words // 4, rows))
 
 
 def plan_problem(view: dict) -> str | None:
@@ -166,7 +178,8 @@ def call_for(op: str, view: dict, avals, params: dict, *, channel: str, poison: 
     return Call((plan,), lambda row, x: [all_reduce(x, row, plan, channel=channel, poison=poison)])
   x = avals[0]
   hidden = x.shape[-1]
-  fused_plan = rows_plan(plan, int(np.prod(x.shape)) // hidden, hidden * x.dtype.itemsize // 4)
+  fused_plan = rows_plan(plan, int(np.prod(x.shape)) // hidden, hidden * x.dtype.itemsize,
+                         view["tag_op_residual_rmsnorm"])
   if isinstance(fused_plan, str):
     return fused_plan
   eps = float(params["eps"])
@@ -189,7 +202,6 @@ def make_plan(view: dict) -> Plan:
               block_words=view["per_block"] * 4, cell_bytes=view["cell_bytes"], cells_bytes=view["cells_bytes"],
               max_blocks=view["max_blocks"],
               tag=(view["tag_op"], view["algorithm"], view["packs"], view["grid"]),
-              tag_op_residual_rmsnorm=view["tag_op_residual_rmsnorm"],
               grace_units=_units(view["poison_grace_ns"]),
               signal_offsets=tuple(sorted(view["signal_offsets"].items())),
               error_offsets=tuple(sorted(view["error_offsets"].items())),

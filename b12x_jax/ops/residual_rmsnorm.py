@@ -116,13 +116,15 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
   row_bytes = x.shape[-1] * x.dtype.itemsize
   rows = x.size // x.shape[-1]
   grid = _grid_limit(comm.max_blocks)
+  cell = _native.lamport_cell_bytes(comm.native_options(), grid)
   not_a_mesh_axis = why_not_a_mesh_axis(axis_name)
-  why_not = _fused_window(rows, row_bytes, _native.lamport_cell_bytes(comm.native_options(), grid), grid)
+  why_not = _fused_window(rows, row_bytes, cell, grid)
   exchanges = size > 1 or comm.loopback  # loopback: a group of one runs the exchange too
   if exchanges and not_a_mesh_axis is not None:
     comm.outside_window(_OP, name, *not_a_mesh_axis, fallback="unfused")
   elif exchanges and why_not is None:
-    kernel = comm.choose_kernel(_OP, _triton_lamport.why_not(_OP, x.dtype, x.size * x.dtype.itemsize, None))
+    kernel = comm.choose_kernel(_OP, _triton_lamport.why_not(_OP, x.dtype, x.size * x.dtype.itemsize, None) or
+                                _triton_lamport.rows_problem(rows, row_bytes, cell, grid))
     decision = comm.choose_path(_OP, name, x.size * x.dtype.itemsize, x.dtype, size, kernel=kernel)
     if decision.path == "b12x":
       normed, new_residual = residual_rmsnorm_p.bind(x, residual, weight, axis_name=axis_name, channel=name,
