@@ -28,14 +28,15 @@ def drop_varying_axis(aval, axis_name: str):
   return aval.update(manual_axis_type=mat.update(varying=frozenset(a for a in mat.varying if a != axis_name)))
 
 
-def shape_dtype_like(x):
-  """A ``jax.ShapeDtypeStruct`` of traced ``x``'s shape, dtype and manual
-  axis type (what ``pallas_call`` under shard_map with check_vma needs for
-  an output that varies as ``x`` does). jax 0.11 and 0.12 keep it in
-  ``aval.mat``."""
+def shape_dtype_like(x, shape: tuple[int, ...] | None = None):
+  """A ``jax.ShapeDtypeStruct`` of traced ``x``'s shape (or ``shape``),
+  dtype and manual axis type (what ``pallas_call`` under shard_map with
+  check_vma needs for an output that varies as ``x`` does). jax 0.11 and
+  0.12 keep it in ``aval.mat``."""
   import jax
   aval = jax.typeof(x)
-  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, manual_axis_type=getattr(aval, "mat", None))
+  return jax.ShapeDtypeStruct(aval.shape if shape is None else shape, aval.dtype,
+                              manual_axis_type=getattr(aval, "mat", None))
 
 
 def varying_axes(aval) -> frozenset:

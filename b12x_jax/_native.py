@@ -111,6 +111,16 @@ def lamport_cell_bytes(options, blocks: int) -> int:
   return int(_b12x.lamport_cell_bytes(options, blocks))
 
 
+def dcp_lamport_plan(cell_bytes: int, max_blocks: int, batch: int, heads: int, world: int,
+                     row_bytes: int) -> tuple[int, int, tuple[int, int, int, int]]:
+  """(grid, rows per block, tag) of a dcp_a2a call of out [batch, heads,
+  row_bytes] over ``world`` ranks in Lamport cells of ``cell_bytes`` in
+  ``max_blocks`` blocks, as both kernels plan it (ffi/dcp.h
+  plan_dcp_lamport); grid 0 where the rows do not fit."""
+  grid, per_block, tag = _b12x.dcp_lamport_plan(cell_bytes, max_blocks, batch, heads, world, row_bytes)
+  return int(grid), int(per_block), tuple(int(t) for t in tag)
+
+
 def share(platform: str, channel: str, partition: str, ordinals: list[int], options):
   """Allocates, zero-fills and exports this process's ranks of a channel
   shared with other processes (``ordinals[r]`` is -1 for a rank another

@@ -13,9 +13,12 @@ FFI one). Then the fused all_reduce + residual + RMSNorm, bfloat16, chained
 (each call's normed output and new residual feed the next), on each kernel
 kind, against all_reduce on the same kind followed by the add and the norm
 in jnp, at hidden 4096 and 8192 and 1, 8 and 64 rows (outputs checked
-against float64 first).
+against float64 first). Last, dcp_a2a in the Lamport window, bfloat16,
+chained (each merge's output is the next one's input), at decode shapes
+B x H x D: through loopback the merge of one source gives back its input,
+bit for bit (and 0, lse -inf, where its lse is -inf), checked first.
 
-  python benchmarks/loopback_kernels.py [--json out.json] [--skip-fused]
+  python benchmarks/loopback_kernels.py [--json out.json] [--skip-fused] [--skip-dcp]
 """
 
 from __future__ import annotations
@@ -128,11 +131,45 @@ def time_fused(mesh, kernels: str, args, rng) -> dict[tuple[int, int], dict[str,
   return times
 
 
+DCP_SHAPES = [(1, 8, 128), (1, 32, 128), (4, 16, 128), (8, 32, 128)]
+
+
+def chained_dcp(mesh, ops: int):
+  def body(out, lse):
+    for _ in range(ops):
+      out = b12x_jax.dcp_a2a(out, lse, "x")
+    return out
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x")))
+
+
+def time_dcp(mesh, comm, kernels: str, args, rng) -> dict[tuple[int, int, int], float]:
+  """us per dcp_a2a on ``kernels`` at each DCP_SHAPES shape; one call's
+  result checked first (three times: every Lamport buffer)."""
+  times = {}
+  one = chained_dcp(mesh, 1)
+  with b12x_jax.channel(f"dcp-{kernels}"):
+    for shape in DCP_SHAPES:
+      for _ in range(3):
+        out = rng.standard_normal(shape).astype(jnp.bfloat16)
+        lse = rng.standard_normal(shape[:2]).astype(np.float32)
+        lse[0, 0] = -np.inf  # an empty KV shard: weight 0, its payload never read
+        got = np.asarray(one(put(mesh, out), put(mesh, lse)))
+        want = out.copy()
+        want[0, 0] = 0
+        assert got.view(np.uint16).tolist() == want.view(np.uint16).tolist(), (kernels, shape)
+        assert comm.decisions[-1].kernel == kernels, comm.decisions[-1]
+      fn = chained_dcp(mesh, args.ops)
+      ins = (put(mesh, out), put(mesh, lse))
+      times[shape] = per_op_us(lambda: fn(*ins), args.ops, args.iters)
+  return times
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   add_timing_arguments(parser, devices=False)
-  parser.add_argument("--skip-fused", action="store_true", help="time all_reduce only")
+  parser.add_argument("--skip-fused", action="store_true", help="do not time the fused op")
+  parser.add_argument("--skip-dcp", action="store_true", help="do not time dcp_a2a")
   parser.set_defaults(ops=256, iters=30)
   args = parser.parse_args()
   if jax.default_backend() != "gpu":
@@ -141,6 +178,7 @@ def main() -> None:
   rng = np.random.default_rng(0)
   times: dict[tuple[str, int], dict[str, float]] = {(d, size): {} for d in DTYPES for size in SIZES}
   fused: dict[tuple[int, int], dict[str, float]] = {shape: {} for shape in FUSED_SHAPES}
+  dcp: dict[tuple[int, int, int], dict[str, float]] = {shape: {} for shape in DCP_SHAPES}
   for kernels in ("ffi", "triton"):
     comm = b12x_jax.Communicator(loopback=True, kernels=kernels)
     b12x_jax.get_communicator().close()
@@ -156,6 +194,9 @@ def main() -> None:
     if not args.skip_fused:
       for shape, row in time_fused(mesh, kernels, args, rng).items():
         fused[shape].update(row)
+    if not args.skip_dcp:
+      for shape, t in time_dcp(mesh, comm, kernels, args, rng).items():
+        dcp[shape][kernels] = t
     comm.check_errors()
     comm.close()
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, loopback, {args.ops} chained ops, "
@@ -171,10 +212,16 @@ def main() -> None:
     for (rows, hidden), t in fused.items():
       print(f"{f'{rows} x {hidden}':>14} " + " ".join(f"{t[c]:14.2f}" for c in columns) +
             f" {t['unfused triton'] / t['fused triton']:20.2f}x")
+  if not args.skip_dcp:
+    print("\ndcp_a2a in the Lamport window, bfloat16, us per op")
+    print(f"{'B x H x D':>14} {'ffi us':>8} {'triton us':>10} {'ffi - triton':>13}")
+    for shape, t in dcp.items():
+      print(f"{' x '.join(map(str, shape)):>14} {t['ffi']:8.2f} {t['triton']:10.2f} {t['ffi'] - t['triton']:13.2f}")
   if args.json:
     with open(args.json, "w") as f:
       json.dump({**{f"{d}/{k}": v for (d, k), v in times.items()},
-                 **{f"fused/{r}x{h}": v for (r, h), v in fused.items()}}, f, indent=1)
+                 **{f"fused/{r}x{h}": v for (r, h), v in fused.items()},
+                 **{"dcp/" + "x".join(map(str, shape)): v for shape, v in dcp.items()}}, f, indent=1)
 
 
 if __name__ == "__main__":

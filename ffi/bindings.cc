@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "all_reduce.h"
+#include "dcp.h"
 #include "lamport.h"
 #include "cpu/host_channel.h"
 #include "cpu/progress.h"
@@ -155,6 +156,21 @@ NB_MODULE(_b12x, m) {
     return base_view(options, 1, blocks).lamport_layout.block_bytes;
   }, nb::arg("options"), nb::arg("blocks"),
      "Bytes of one Lamport cell of a channel prepared with `options` and `blocks` blocks (0: no Lamport path).");
+
+  m.def("dcp_lamport_plan", [](size_t cell_bytes, int max_blocks, int batch, int heads, int world, size_t row_bytes) {
+    if (max_blocks < 1 || max_blocks > kMaxBlocks || world < 1 || world > kMaxRanks || heads % world != 0 ||
+        row_bytes % kPackBytes != 0) {
+      throw std::invalid_argument("b12x_jax: dcp_lamport_plan: bad layout or shape");
+    }
+    const StagingLayout cells{cell_bytes, world, max_blocks, kLamportBuffers};
+    const DcpShape shape{batch, heads, world, static_cast<int>(row_bytes / kPackBytes), false};
+    const DcpPlan plan = plan_dcp_lamport(shape, cells);
+    const CallTag tag = plan.tag(shape);
+    return nb::make_tuple(plan.grid, plan.per_block, nb::make_tuple(tag.op, tag.algorithm, tag.packs, tag.grid));
+  }, nb::arg("cell_bytes"), nb::arg("max_blocks"), nb::arg("batch"), nb::arg("heads"), nb::arg("world"),
+     nb::arg("row_bytes"),
+     "(grid, rows per block, tag) of a dcp_a2a call of out [batch, heads, row_bytes] in the Lamport cells of "
+     "`cell_bytes` of `max_blocks` blocks (ffi/dcp.h plan_dcp_lamport); grid 0 where the rows do not fit.");
 
   m.def("prepare_host", [](const std::string& channel, const std::string& partition, std::vector<int> ordinals,
                            const ChannelOptions& options) {

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "all_reduce.h"
 #include "channel.h"
 #include "numeric.h"
 
@@ -44,9 +45,16 @@ struct DcpCell {
 
   B12X_HD static size_t bytes_per_row(int row_packs) { return row_packs * kPackBytes + sizeof(float); }
   B12X_HD size_t bytes() const { return rows * bytes_per_row(row_packs); }
+  // A Lamport cell (lamport.h) in packs: the payloads, then the lse padded
+  // with 0 to a whole pack (every word a reader polls is written).
+  B12X_HD size_t lamport_packs() const { return static_cast<size_t>(rows) * row_packs + (rows + 3) / 4; }
   B12X_HD Pack* payload(char* cell) const { return reinterpret_cast<Pack*>(cell); }
   B12X_HD float* lse(char* cell) const {
     return reinterpret_cast<float*>(cell + static_cast<size_t>(rows) * row_packs * kPackBytes);
+  }
+  B12X_HD const Pack* payload(const char* cell) const { return reinterpret_cast<const Pack*>(cell); }
+  B12X_HD const float* lse(const char* cell) const {
+    return reinterpret_cast<const float*>(cell + static_cast<size_t>(rows) * row_packs * kPackBytes);
   }
 };
 
@@ -56,11 +64,14 @@ struct DcpCell {
 struct DcpPlan {
   int grid;       // 0: the rows do not fit the channel's staging
   int per_block;
+  bool lamport;   // the Lamport exchange (lamport.h) on the Lamport cells, else the barrier protocol
 
   // The call's tag (channel.h): the input [B, H, D] in packs.
   B12X_HD CallTag tag(const DcpShape& s) const {
     const size_t packs = static_cast<size_t>(s.batch) * s.heads * s.row_packs;
-    return CallTag{static_cast<uint32_t>(Op::kDcpA2a), 0, static_cast<uint32_t>(packs), static_cast<uint32_t>(grid)};
+    const uint32_t algorithm = lamport ? static_cast<uint32_t>(Algorithm::kLamport) : 0u;
+    return CallTag{static_cast<uint32_t>(Op::kDcpA2a), algorithm, static_cast<uint32_t>(packs),
+                   static_cast<uint32_t>(grid)};
   }
 };
 
@@ -70,16 +81,69 @@ struct DcpPlan {
 B12X_HD DcpPlan plan_dcp(const DcpShape& s, const StagingLayout& layout, int want_grid) {
   const size_t rows = static_cast<size_t>(s.rows());
   const size_t fit = layout.block_bytes / DcpCell::bytes_per_row(s.row_packs);  // rows per cell
-  if (fit == 0) return {0, 0};
+  if (fit == 0) return {0, 0, false};
   const size_t need = (rows + fit - 1) / fit;
   size_t grid = want_grid > 0 ? static_cast<size_t>(want_grid) : 1;
   if (grid > rows) grid = rows;
   if (grid > static_cast<size_t>(layout.max_blocks)) grid = layout.max_blocks;
   if (grid < need) grid = need;
   if (grid < 1) grid = 1;
-  if (grid > static_cast<size_t>(layout.max_blocks)) return {0, 0};
+  if (grid > static_cast<size_t>(layout.max_blocks)) return {0, 0, false};
   const int g = static_cast<int>(grid);
-  return {g, static_cast<int>((rows + grid - 1) / grid)};  // <= fit, since grid >= rows / fit
+  return {g, static_cast<int>((rows + grid - 1) / grid), false};  // <= fit, since grid >= rows / fit
+}
+
+// Result bytes a Lamport block takes before the heads of a batch row are
+// split over more blocks: as the all-reduce's kLamportBytesPerBlock, more
+// blocks poll more of the peers' data at once.
+inline constexpr size_t kDcpLamportBytesPerBlock = 4 * 1024;
+
+// The Lamport plan of a call (docs/DESIGN.md, "DCP in the Lamport window"),
+// or grid 0 where its rows do not fit the Lamport cells. A block owns whole
+// batch rows (all H/N heads of ceil(B / blocks) of them) where B exceeds
+// the blocks, else the heads of one batch row halved while a block takes
+// more than kDcpLamportBytesPerBlock (or overflows its cell) and the grid
+// stays within the blocks: so with B <= blocks a block's rows are always a
+// contiguous run of one batch row's heads, which the Triton kernel tiles.
+// Depends only on the shape and the layout, so every rank plans the same.
+B12X_HD DcpPlan plan_dcp_lamport(const DcpShape& s, const StagingLayout& cells) {
+  if (cells.block_bytes == 0 || s.rows() == 0) return {0, 0, true};
+  const auto fits = [&](int rows) { return DcpCell{rows, s.row_packs}.lamport_packs() * kPackBytes <= cells.block_bytes; };
+  const int heads = s.shard_heads();
+  int per_block = heads * ((s.batch + cells.max_blocks - 1) / cells.max_blocks);
+  if (s.batch <= cells.max_blocks) {
+    while (per_block % 2 == 0 && s.rows() / (per_block / 2) <= cells.max_blocks &&
+           (!fits(per_block) || static_cast<size_t>(per_block) * s.row_bytes() > kDcpLamportBytesPerBlock)) {
+      per_block /= 2;
+    }
+  }
+  if (!fits(per_block)) return {0, 0, true};
+  return {(s.rows() + per_block - 1) / per_block, per_block, true};
+}
+
+// The plan a call takes: the Lamport exchange where its rows fit the Lamport
+// cells, else the barrier protocol with `want_grid` blocks (plan_dcp).
+B12X_HD DcpPlan plan_dcp_call(const DcpShape& s, const ChannelView& v, int want_grid) {
+  const DcpPlan lamport = plan_dcp_lamport(s, v.lamport_layout);
+  return lamport.grid > 0 ? lamport : plan_dcp(s, v.layout, want_grid);
+}
+
+// Pack i of the Lamport cell a source sends `dest` for its result rows
+// [lo, lo + rows): the rows' payloads, then their lse, 0 after the last.
+B12X_HD Pack dcp_lamport_pack(const DcpShape& s, const Pack* in, const float* in_lse, int dest, int lo, int rows,
+                              size_t i) {
+  const size_t payload = static_cast<size_t>(rows) * s.row_packs;
+  if (i < payload) {
+    const size_t row = i / s.row_packs;
+    return in[s.input_row(dest, lo + static_cast<int>(row)) * s.row_packs + (i - row * s.row_packs)];
+  }
+  Pack lse{};
+  B12X_UNROLL
+  for (int k = 0; k < 4; ++k) {
+    const int row = static_cast<int>(i - payload) * 4 + k;
+    lse.words[k] = row < rows ? f32_bits(in_lse[s.input_row(dest, lo + row)]) : 0u;
+  }
+  return lse;
 }
 
 // A source contributes only if its lse is finite: -inf marks an empty KV

@@ -116,6 +116,13 @@ B12X_HD void lamport_push(const ChannelView& v, const LamportCall& c, size_t i, 
   }
 }
 
+// Pack i of what this rank sends peer `p` alone (an all-to-all: each peer
+// gets its own payload), into this rank's cell of p's buffer.
+template <class Mem>
+B12X_HD void lamport_push_to(const ChannelView& v, const LamportCall& c, int p, size_t i, const Pack& x) {
+  Mem::store_pack(c.cell(v, p, c.buffer, v.rank) + i, lamport_encode(x));
+}
+
 // Source q's header: kPending until every word of it arrived, then the tag
 // check (a mismatch is recorded: kFailed).
 template <class Mem>

@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <stdexcept>
 
+#include "all_reduce.h"
+
 namespace b12x {
 
 Registry& Registry::get() {
@@ -150,7 +152,8 @@ std::string describe(const CallTag& tag) {
   static const char* const ops[] = {"no call", "all_reduce", "all_reduce_residual_rmsnorm", "dcp_a2a"};
   static const char* const algorithms[] = {"one_shot", "two_shot", "one_shot_pull", "lamport"};
   const std::string op = tag.op < 4 ? ops[tag.op] : "op " + std::to_string(tag.op);
-  std::string how = tag.op == static_cast<uint32_t>(Op::kDcpA2a) ? ""
+  const bool dcp = tag.op == static_cast<uint32_t>(Op::kDcpA2a);
+  std::string how = dcp ? (tag.algorithm == static_cast<uint32_t>(Algorithm::kLamport) ? "lamport, " : "")
                     : tag.algorithm < 4 ? std::string(algorithms[tag.algorithm]) + ", "
                                         : "algorithm " + std::to_string(tag.algorithm) + ", ";
   return op + " of " + std::to_string(static_cast<uint64_t>(tag.packs) * kPackBytes) + " bytes (" + how + "grid " +

@@ -4,7 +4,8 @@
 #   bash scripts/gpu_check.sh [all|tests|bench|perf|rig|loopback]
 # (tests and bench are two halves that each fit the device's per-call limit;
 # perf is bench without the examples, the capture check and the multi-process benchmark;
-# rig runs the tests of 2, 4 and 8 processes sharing GPU 0 under MPS, for one-GPU machines;
+# rig runs the tests of 2, 4 and 8 processes sharing GPU 0 under MPS, for one-GPU machines
+# (B12X_RIG_SELECT: a pytest -k expression; B12X_RIG_EXAMPLES=0: without the examples);
 # loopback runs the one-GPU Triton tests and the FFI-vs-Triton loopback benchmark)
 set -uo pipefail
 PART=${1:-all}
@@ -51,7 +52,7 @@ JAX_PLATFORMS=cpu timeout -s INT -k 20 ${B12X_RIG_BOUND_S:=330} $PY -m pytest te
 rig_rc=${PIPESTATUS[0]}
 echo "rig: rc=$rig_rc in $(( $(date +%s) - start )) s (bound ${B12X_RIG_BOUND_S} s; log: $OUT/rig_tests.log)"
 fi
-if [ "$PART" = rig ]; then
+if [ "$PART" = rig ] && [ "${B12X_RIG_EXAMPLES:-1}" = 1 ]; then
 # The examples as 2 jax.distributed processes on GPU 0, b12x over CUDA IPC, under
 # an MPS daemon of their own (the rig tests' fixture stops its daemon when they end).
 echo "== examples for correctness: 2 processes on GPU 0 (--shared-gpu, under MPS)"

@@ -91,18 +91,18 @@ def _mapped_shm() -> list[str]:
   return mapped + left
 
 
-def _assert_head_shard(got, got_lse, outs, want, want_lse, mine: slice) -> None:
+def _assert_head_shard(got, got_lse, outs, want, want_lse, mine: slice, dtype: str = "bfloat16") -> None:
   """This rank's head shard of a DCP merge ([B, H/n, D] and [B, H/n])
   against the full attention ``want`` [B, H, D] (helpers.attention_shards):
-  out within two bfloat16 roundings of the largest partial output of its
-  row, lse within fp32 math."""
+  out within two roundings of ``dtype`` of the largest partial output of
+  its row, lse within fp32 math."""
   import numpy as np
   from helpers import RTOL
   got = got.astype(np.float64)
   row_scale = np.nan_to_num(np.abs(outs.astype(np.float64)), nan=0.0).max(axis=(0, -1))[:, mine]
   assert np.all(np.isfinite(got)), "non-finite output"
   err = np.abs(got - want[:, mine]).max(axis=-1)
-  assert np.all(err <= 2 * RTOL["bfloat16"] * row_scale + 1e-6), f"error {err.max()}"
+  assert np.all(err <= 2 * RTOL[dtype] * row_scale + 1e-6), f"error {err.max()}"
   np.testing.assert_allclose(got_lse, want_lse[:, mine], rtol=1e-5, atol=1e-5)
 
 
@@ -166,10 +166,21 @@ def wrap_mode(args) -> dict:
   return {"hashes": hashes, "epoch": comm.stats("wrap", jax.local_devices()[0])["epoch"]}
 
 
+# dcp_mode's calls: (dtype, B, heads per rank, D). Decode sizes in the
+# Lamport window: a batch row's heads in one block or split (B = 1), odd B,
+# one head per rank (a cell's lse padded to a pack), float16 (no Triton kernel).
+DCP_CASES = (("bfloat16", 1, 8, 128), ("bfloat16", 8, 4, 128), ("bfloat16", 3, 4, 16), ("bfloat16", 2, 1, 64),
+             ("float16", 2, 4, 64))
+
+
 def dcp_mode(args) -> dict:
-  """dcp_a2a across processes: each process feeds its own KV shard's partial
-  attention and checks its head shard of the merge against full attention
-  in float64 (an empty shard with NaN payload included), on both slots."""
+  """dcp_a2a across processes, each process feeding its own KV shard's
+  partial attention: every DCP_CASES shape twice, interleaved on one
+  channel (with lamport_bytes=0 in --communicator, on the barrier
+  protocol; with kernels="triton", bfloat16 on the Triton kernel on CUDA),
+  from 5 calls below the counters' wrap with --wrap; this process's head
+  shard against full attention in float64 (an empty shard with NaN payload
+  included). Returns each case's kernels and the channel's epoch."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -177,24 +188,37 @@ def dcp_mode(args) -> dict:
   from jax.sharding import PartitionSpec as P
 
   import b12x_jax
+  from b12x_jax import _compat
   from helpers import attention_shards
-  b12x_jax.set_communicator(_communicator(args))
+  comm = _communicator(args)
+  b12x_jax.set_communicator(comm)
   mesh = _mesh()
   n, me = jax.device_count(), jax.process_index()
   fn = jax.jit(jax.shard_map(lambda o, l: b12x_jax.dcp_a2a(o, l, "x", return_lse=True), mesh=mesh,
                              in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x"))))
+  if args.wrap:
+    comm.prepare(mesh, "x", channels=["mp_dcp"])
+    comm._start_counters("mp_dcp", 2**32 - 5)
+    _compat.distributed_client().wait_at_barrier("b12x_jax_dcp_wrap_counters", 60_000)
   rng = np.random.default_rng(0)  # the same shards in every process
-  heads = 4 * n
-  mine = slice(me * heads // n, (me + 1) * heads // n)
+  kernels: dict[str, list[str]] = {}
   with b12x_jax.channel("mp_dcp"):
     for _ in range(2):
-      outs, lses, want, want_lse = attention_shards(rng, n, 3, heads, 16, jnp.bfloat16, empty=((0, 0, 0),))
-      o, l = (jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), a[me]) for a in (outs, lses))
-      got, got_lse = (np.asarray(r.addressable_shards[0].data) for r in fn(o, l))
-      _assert_head_shard(got, got_lse, outs, want, want_lse, mine)
-  assert b12x_jax.get_communicator().decisions[-1].path == "b12x"
+      for dtype, batch, per_rank, dim in DCP_CASES:
+        heads = per_rank * n
+        mine = slice(me * per_rank, (me + 1) * per_rank)
+        outs, lses, want, want_lse = attention_shards(rng, n, batch, heads, dim, jnp.dtype(dtype),
+                                                      empty=((0, 0, 0),))
+        o, l = (jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), a[me]) for a in (outs, lses))
+        decided = len(comm.decisions)
+        got, got_lse = (np.asarray(r.addressable_shards[0].data) for r in fn(o, l))
+        _assert_head_shard(got, got_lse, outs, want, want_lse, mine, dtype)
+        # Traced once per shape (the second round runs the cached executable): its decisions.
+        for decision in comm.decisions[decided:]:
+          assert decision.path == "b12x", decision
+          kernels.setdefault(f"{dtype}/{batch}x{heads}x{dim}", []).append(decision.kernel)
   b12x_jax.check_errors()
-  return {"rank": me, "epoch": b12x_jax.get_communicator().stats("mp_dcp", jax.local_devices()[0])["epoch"]}
+  return {"rank": me, "kernels": kernels, "epoch": comm.stats("mp_dcp", jax.local_devices()[0])["epoch"]}
 
 
 def residual_rmsnorm_mode(args) -> dict:
@@ -242,7 +266,8 @@ def residual_rmsnorm_mode(args) -> dict:
 
 def never_calls_mode(args) -> dict:
   """Every process prepares channel "lonely" (by lowering the same
-  all-reduce), then the last process never calls it: each other one must
+  all-reduce, or with --op dcp_a2a the same DCP merge of a decode-sized
+  call), then the last process never calls it: each other one must
   get the timeout error naming the channel, its rank, the peer and the
   epoch, within a bounded time, twice (the second call fails fast on the
   poisoned channel), and on CUDA NaN outputs, never a number. The last
@@ -259,16 +284,24 @@ def never_calls_mode(args) -> dict:
                                           poison_outputs=True))
   mesh = _mesh()
   me = jax.process_index()
-  x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), np.ones(4096, np.float32))
+  sharded = NamedSharding(mesh, P("x"))
+  if args.op == "dcp_a2a":  # bfloat16 [2, 4 heads per rank, 64] in the Lamport window
+    import jax.numpy as jnp
+    inputs = (np.ones((2, 4 * jax.device_count(), 64), jnp.bfloat16), np.zeros((2, 4 * jax.device_count()), np.float32))
+    fn = jax.jit(jax.shard_map(lambda o, l: b12x_jax.dcp_a2a(o, l, "x"), mesh=mesh, in_specs=(P("x"), P("x")),
+                               out_specs=P("x")))
+  else:
+    inputs, fn = (np.ones(4096, np.float32),), _reducer(mesh, b12x_jax.all_reduce)
+  x = [jax.make_array_from_process_local_data(sharded, a) for a in inputs]
   with b12x_jax.channel("lonely"):
-    call = _reducer(mesh, b12x_jax.all_reduce).lower(x).compile()  # prepares the channel, collectively
+    call = fn.lower(*x).compile()  # prepares the channel, collectively
   if me == jax.process_count() - 1:
     return {"called": False}
   messages, nan_outputs = [], []
   start = time.monotonic()
   for _ in range(2):
     try:
-      got = np.asarray(call(x).addressable_shards[0].data)
+      got = np.asarray(call(*x).addressable_shards[0].data, np.float32)
       nan_outputs.append(bool(np.isnan(got).all()))
       b12x_jax.check_errors()  # CUDA: the timed-out kernel leaves NaN and this record
     except Exception as e:  # noqa: BLE001 - CPU raises from the call (an XLA runtime error), CUDA from check_errors
@@ -820,7 +853,8 @@ def main() -> None:
   parser.add_argument("--communicator", default="{}")  # every process's Communicator arguments (JSON)
   parser.add_argument("--communicators", default="[]")  # settings mode: one process's each, over --communicator
   parser.add_argument("--configs", default="[{}]")  # all_reduce mode: Communicators run in turn
-  parser.add_argument("--wrap", action="store_true")  # residual_rmsnorm mode: start the counters 5 calls before the wrap
+  parser.add_argument("--op", default="all_reduce", choices=["all_reduce", "dcp_a2a"])  # never_calls mode's op
+  parser.add_argument("--wrap", action="store_true")  # residual_rmsnorm, dcp modes: start the counters 5 calls before the wrap
   args = parser.parse_args()
   sys.path.insert(0, os.path.dirname(__file__))
   _setup(args)

@@ -206,7 +206,8 @@ def test_rows_above_the_staging_capacity_fall_back(cpu_mesh):
   saved, comm.capacity_bytes = comm.capacity_bytes, 1024  # decisions read it at trace time
   try:
     mesh = cpu_mesh(2)
-    outs, lses, want, want_lse = attention_shards(np.random.default_rng(31), 2, 2, 4, 16, jnp.bfloat16)
+    # 4 rows of 512 bytes per source: above the staging and the Lamport window (clamped to the capacity).
+    outs, lses, want, want_lse = attention_shards(np.random.default_rng(31), 2, 2, 4, 256, jnp.bfloat16)
     with b12x_jax.channel("big-rows"):
       (got,) = _run(_per_rank(mesh), mesh, outs, lses)
   finally:

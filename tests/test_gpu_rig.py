@@ -13,7 +13,8 @@ import shutil
 
 import pytest
 
-from test_multiprocess import ALL_REDUCE_CONFIGS, check_all_reduce_configs, check_drop_in, check_never_calls
+from test_multiprocess import (ALL_REDUCE_CONFIGS, check_all_reduce_configs, check_dcp, check_drop_in, check_never_calls,
+                               dcp_options)
 
 pytestmark = pytest.mark.gpu_rig
 WORLDS = [2, 4, 8]
@@ -29,10 +30,20 @@ def test_all_reduce_on_the_lamport_and_barrier_paths_of_each_algorithm_matches_f
   check_all_reduce_configs(results)
 
 
+@pytest.mark.parametrize("kernels", ["ffi", "triton"])
+@pytest.mark.parametrize("protocol", ["lamport", "barrier"])
 @pytest.mark.parametrize("n", WORLDS)
-def test_dcp_a2a_matches_float64_full_attention(gpu_rig, n):
-  results = gpu_rig("dcp", n, communicator={"poison_outputs": True})
-  assert [r["rank"] for r in results] == list(range(n)) and {r["epoch"] for r in results} == {2}, results
+def test_dcp_a2a_matches_float64_full_attention_across_the_wrap(gpu_rig, n, protocol, kernels):
+  if protocol == "barrier" and kernels == "triton":
+    pytest.skip("the barrier protocol has no Triton kernel")
+  results = gpu_rig("dcp", n, "--wrap", communicator=json.loads(dcp_options(protocol, kernels=kernels)))
+  check_dcp(results, wrap=True, triton=kernels == "triton" and protocol == "lamport")
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_the_triton_dcp_merge_runs_with_cuda_graphs_off(gpu_rig, n):
+  results = gpu_rig("dcp", n, env=GRAPHS_OFF, communicator=json.loads(dcp_options("lamport", kernels="triton")))
+  check_dcp(results, wrap=False, triton=True)
 
 
 @pytest.mark.parametrize("n", WORLDS)
@@ -108,6 +119,8 @@ def test_the_triton_kernel_matches_float64_the_ffi_bits_and_interleaves_with_ffi
   assert {r["epoch"] for r in results} == {(2 * (2**32 - 5) + 10) % 2**32}, results  # both counters wrapped
 
 
+@pytest.mark.parametrize("op", ["all_reduce", "dcp_a2a"])
 @pytest.mark.parametrize("n", WORLDS)
-def test_a_rank_that_never_calls_the_triton_kernel_gives_the_others_the_timeout_error_and_nan(gpu_rig, n):
-  check_never_calls(gpu_rig("never_calls", n, "--timeout", "2", communicator={"kernels": "triton"}), "2", "cuda")
+def test_a_rank_that_never_calls_the_triton_kernel_gives_the_others_the_timeout_error_and_nan(gpu_rig, n, op):
+  check_never_calls(gpu_rig("never_calls", n, "--timeout", "2", "--op", op, communicator={"kernels": "triton"}),
+                    "2", "cuda")

@@ -46,9 +46,10 @@ def test_the_fused_op_across_processes_matches_float64_with_identical_bits(multi
   assert results[0]["hashes"] == results[1]["hashes"] and len(results[0]["hashes"]) == 9
 
 
+@pytest.mark.parametrize("op", ["all_reduce", "dcp_a2a"])
 @pytest.mark.parametrize("n", [2, 3])
-def test_a_process_that_prepared_but_never_calls_gives_the_others_the_timeout_error(multiprocess, n):
-  results = multiprocess("never_calls", n, "--timeout", "2")
+def test_a_process_that_prepared_but_never_calls_gives_the_others_the_timeout_error(multiprocess, n, op):
+  results = multiprocess("never_calls", n, "--timeout", "2", "--op", op)
   check_never_calls(results, "2", "cpu")
 
 
@@ -59,9 +60,32 @@ def test_counters_wrap_across_processes_with_the_same_results(multiprocess):
   assert {r["epoch"] for r in results} == {(2 * (2**32 - 5) + 24) % 2**32}
 
 
-def test_dcp_a2a_across_processes_matches_full_attention(multiprocess):
-  results = multiprocess("dcp")
-  assert [r["rank"] for r in results] == [0, 1] and {r["epoch"] for r in results} == {2}
+def dcp_options(protocol: str, **options) -> str:
+  """dcp mode's --communicator: poisoned outputs, and with protocol
+  "barrier" no Lamport window (every call on the barrier protocol)."""
+  return json.dumps({"poison_outputs": True, **({"lamport_bytes": 0} if protocol == "barrier" else {}), **options})
+
+
+def check_dcp(results: list[dict], wrap: bool, triton: bool = False) -> None:
+  """dcp mode's results: every rank checked its calls and counted them
+  alike (from 5 below the wrap with ``wrap``: both counters crossed it);
+  with ``triton``, bfloat16 calls in the Lamport window ran the Triton
+  kernel and the rest the FFI one (one decision per shape: its
+  executable is traced once), else all the FFI one."""
+  from mp_workers import DCP_CASES
+  calls = 2 * len(DCP_CASES)
+  assert [r["rank"] for r in results] == list(range(len(results))), results
+  assert {r["epoch"] for r in results} == {(2 * (2**32 - 5) + calls) % 2**32 if wrap else calls}, results
+  assert len(results[0]["kernels"]) == len(DCP_CASES), results[0]
+  for case, kinds in results[0]["kernels"].items():
+    assert kinds == ["triton" if triton and case.startswith("bfloat16") else "ffi"], (case, kinds)
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["", "across-the-wrap"])
+@pytest.mark.parametrize("protocol", ["lamport", "barrier"])
+def test_dcp_a2a_across_processes_matches_full_attention(multiprocess, protocol, wrap):
+  results = multiprocess("dcp", 2, "--communicator", dcp_options(protocol), *(["--wrap"] if wrap else []))
+  check_dcp(results, wrap)
 
 
 def test_channels_requested_in_different_orders_still_pair_by_name(multiprocess):

@@ -226,3 +226,41 @@ def test_the_fused_ops_decision_names_rows_the_triton_kernel_cannot_take(cpu_mes
   with fresh_communicator(kernels="triton", policy="strict"), b12x_jax.channel("oddrows"):
     with pytest.raises(b12x_jax.IneligibleError, match=r"kernels='triton' but a row of 4000 bytes is not a power"):
       residual_rmsnorm_fn(mesh)(*args)
+
+
+@pytest.mark.parametrize("return_lse", [True, False])
+def test_dcp_a2a_lowers_to_its_triton_kernel_for_cuda_and_float16_to_ffi(cpu_mesh, monkeypatch, return_lse):
+  # One head per rank (a cell's lse padded to a pack) and 8: the host channel's one block takes the call's rows.
+  mesh = cpu_mesh(2)
+
+  def body(out, lse, out16, lse16, out8, lse8):
+    merged = b12x_jax.dcp_a2a(out, lse, "x", return_lse=return_lse)
+    return merged, b12x_jax.dcp_a2a(out16, lse16, "x")[0], b12x_jax.dcp_a2a(out8, lse8, "x", lse_base="2")
+
+  sharded = jax.sharding.NamedSharding(mesh, P("x"))
+  args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharded)
+          for shape, dtype in (((2, 2, 64), jnp.bfloat16), ((2, 2), jnp.float32), ((2, 4, 64), jnp.float16),
+                               ((2, 4), jnp.float32), ((2, 16, 128), jnp.bfloat16), ((2, 16), jnp.float32))]
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x")))
+  with fresh_communicator(kernels="triton") as comm, b12x_jax.channel("dcpchain"):
+    text = lower_for_cuda(fn, args, monkeypatch)
+  assert text.count('@__gpu$xla.gpu.triton') == 2 and 'b12x_dcp_a2a_lamport_dcpchain' in text
+  assert text.count("@b12x_dcp_a2a(") == 1  # the float16 call
+  assert [d.kernel for d in comm.decisions] == ["triton", "ffi", "triton"], comm.decisions
+  assert "no Triton kernel for dcp_a2a of dtype float16" in comm.decisions[1].reason
+
+
+@pytest.mark.parametrize("shape, blocks, cell, plan", [
+    ((1, 16, 128, 2), 64, 16384, (1, 8)),     # 8 heads of 128 bytes: 1 KiB, one block
+    ((1, 32, 512, 2), 64, 16384, (2, 8)),     # 16 heads of 512 bytes: split into blocks of 4 KiB
+    ((8, 8, 128, 2), 64, 16384, (8, 4)),      # a block per batch row
+    ((3, 2, 64, 2), 1, 1 << 20, (1, 3)),      # the host's one block: every row
+    ((128, 8, 128, 2), 64, 16384, (64, 8)),   # B above the blocks: two batch rows per block
+    ((1, 2, 16384, 2), 64, 16384, (0, 0)),    # a 16 KiB row and its lse overflow a cell: the barrier protocol
+    ((2, 8, 128, 2), 64, 0, (0, 0)),          # no Lamport window
+])
+def test_the_dcp_lamport_plan(shape, blocks, cell, plan):
+  batch, heads, row_bytes, world = shape
+  grid, per_block, tag = _native.dcp_lamport_plan(cell, blocks, batch, heads, world, row_bytes)
+  assert (grid, per_block) == plan
+  assert tag == (3, 3, batch * heads * row_bytes // 16, grid)  # dcp_a2a, lamport, the input's packs, the grid

@@ -18,12 +18,14 @@ from helpers import assert_merge_matches, assert_residual_rmsnorm_matches, asser
 START = 2**32 - 5
 # With the Communicator of run_across_wrap: a Lamport all_reduce, one above
 # the window (the barrier algorithm asked for; 3 packs more than a multiple
-# of 4 ranks' shards), a fused call within the Lamport cells and a DCP merge.
+# of 4 ranks' shards), a fused call within the Lamport cells, and DCP merges
+# within the Lamport cells and above them (4 KiB rows: the barrier protocol).
 LAMPORT_BYTES = 16 * 1024
 SMALL_ELEMS = 1024                  # 4 KiB of float32
 LARGE_ELEMS = 8 * 1024 + 12         # 32 KiB + 48 bytes
 ROWS, HIDDEN = 8, 64                # 2 KiB of float32, 256-byte rows
 DCP = dict(batch=2, heads=8, dim=64)
+DCP_LARGE = dict(batch=2, heads=8, dim=2048)
 
 
 def communicator_options(algorithm: str) -> dict:
@@ -33,7 +35,7 @@ def communicator_options(algorithm: str) -> dict:
 def run_across_wrap(comm, mesh, channel: str, calls: int, seed: int, start: int = START) -> dict:
   """Prepares ``channel`` on ``mesh`` (axis "x"), starts its counters at
   ``start`` and runs ``calls`` rounds of [Lamport all_reduce, barrier
-  all_reduce, fused op, dcp_a2a] on it. Returns what the paths and stats say."""
+  all_reduce, fused op, Lamport dcp_a2a, barrier dcp_a2a] on it. Returns what the paths and stats say."""
   n = mesh.devices.size
   rng = np.random.default_rng(seed)
   comm.prepare(mesh, "x", channels=[channel])
@@ -68,11 +70,13 @@ def run_across_wrap(comm, mesh, channel: str, calls: int, seed: int, start: int 
       paths.add(comm.decisions[-1].path)
       assert_residual_rmsnorm_matches(np.asarray(normed), np.asarray(new_residual), x, residual, weight, 1e-6,
                                       "float32")
-      outs, lses, want_out, want_lse = attention_shards(rng, n, DCP["batch"], DCP["heads"], DCP["dim"], jnp.bfloat16)
-      merged, merged_lse = dcp(jax.device_put(outs, sharded), jax.device_put(lses, sharded))
-      paths.add(comm.decisions[-1].path)
-      assert_merge_matches(np.asarray(merged, np.float32), np.asarray(merged_lse), outs, want_out, want_lse,
-                           "bfloat16")
+      for shape in (DCP, DCP_LARGE):
+        outs, lses, want_out, want_lse = attention_shards(rng, n, shape["batch"], shape["heads"], shape["dim"],
+                                                          jnp.bfloat16)
+        merged, merged_lse = dcp(jax.device_put(outs, sharded), jax.device_put(lses, sharded))
+        paths.add(comm.decisions[-1].path)
+        assert_merge_matches(np.asarray(merged, np.float32), np.asarray(merged_lse), outs, want_out, want_lse,
+                             "bfloat16")
   b12x_jax.check_errors()
   return {"paths": sorted(paths), "epoch": comm.stats(channel, mesh.devices.flat[0])["epoch"]}
 
@@ -80,6 +84,6 @@ def run_across_wrap(comm, mesh, channel: str, calls: int, seed: int, start: int 
 def expected_epoch(algorithm: str, calls: int, start: int = START) -> int:
   """What stats()["epoch"] (barriers + Lamport calls, mod 2**32) reads after
   run_across_wrap: both counters started at ``start``."""
-  barriers = calls * ((2 if algorithm == "two_shot" else 1) + 1)  # the large all_reduce, dcp_a2a
-  lamport = calls * 2                                              # the small all_reduce, the fused op
+  barriers = calls * ((2 if algorithm == "two_shot" else 1) + 1)  # the large all_reduce and dcp_a2a
+  lamport = calls * 3                                              # the small all_reduce and dcp_a2a, the fused op
   return (2 * start + barriers + lamport) % 2**32

@@ -30,6 +30,22 @@ def axis_size(axis_name: str, op: str) -> int:
         f"that axis ({e})") from None
 
 
+# Largest grid of a channel (ffi/channel.h kMaxBlocks).
+_MAX_BLOCKS = 64
+
+
+def channel_blocks(max_blocks: int | None) -> int:
+  """The blocks a channel gets, as the native layer resolves them: on GPUs
+  (cuda_channel.cu, resolve_max_blocks) the Communicator's max_blocks, else
+  min(64, the SM count of the smallest visible GPU); without one, the host
+  backend's single block (cpu/host_channel.cc)."""
+  try:
+    sms = [getattr(d, "core_count", _MAX_BLOCKS) for d in jax.devices("gpu")]
+  except RuntimeError:
+    return 1
+  return max_blocks if max_blocks is not None else min([_MAX_BLOCKS, *sms])
+
+
 def why_not_a_mesh_axis(axis_name: str) -> tuple[str, str] | None:
   """(reason, fix) where ``axis_name`` is bound but is no mesh axis of the
   enclosing jax.shard_map (a ``vmap(..., axis_name=...)`` name, also one

@@ -145,6 +145,41 @@ def rows_plan(plan: Plan, rows: int, row_bytes: int, tag_op: int) -> Plan | str:
                              tag=(tag_op, _ALGORITHM_LAMPORT, rows * row_words // 4, rows))
 
 
+def dcp_problem(dtype, batch: int, heads: int, world: int, row_bytes: int, cell_bytes: int,
+                max_blocks: int) -> str | None:
+  """Why the Triton kernel cannot take a dcp_a2a call of out [batch, heads,
+  row_bytes] over ``world`` ranks on Lamport cells of ``cell_bytes`` in
+  ``max_blocks`` blocks, or None. It runs the plan of the FFI kernel
+  (ffi/dcp.h plan_dcp_lamport) where a block's rows are a power of two of
+  one batch row's heads, as tiles. Checked at trace time and by call_for."""
+  from b12x_jax import _native
+
+  if np.dtype(dtype).name != "bfloat16":
+    return f"no Triton kernel for dcp_a2a of dtype {np.dtype(dtype).name} (bfloat16 only)"
+  grid, per_block, _ = _native.dcp_lamport_plan(cell_bytes, max_blocks, batch, heads, world, row_bytes)
+  if grid == 0:
+    return "the rows do not fit the channel's Lamport cells (the barrier protocol takes the call)"
+  row_words = row_bytes // 4
+  shard_heads = heads // world
+  if shard_heads % per_block or per_block & (per_block - 1) or row_words & (row_words - 1):
+    return (f"blocks of {per_block} rows of {row_bytes} bytes (B={batch}, {shard_heads} heads per rank) are not "
+            "power-of-two tiles of one batch row's heads (the Triton kernel's)")
+  if per_block * row_words > MAX_TILE_WORDS:
+    return f"a block of {per_block} rows of {row_bytes} bytes exceeds the Triton kernel's tiles of {MAX_TILE_WORDS} words"
+  return None
+
+
+def dcp_plan(plan: Plan, batch: int, heads: int, row_bytes: int) -> Plan:
+  """The dcp_a2a kernel's plan on the channel ``plan`` describes: the FFI
+  kernel's grid and tag (ffi/dcp.h plan_dcp_lamport), ``block_words`` the
+  words of one source's rows in a block."""
+  from b12x_jax import _native
+
+  grid, per_block, tag = _native.dcp_lamport_plan(plan.cell_bytes, plan.max_blocks, batch, heads, plan.world,
+                                                  row_bytes)
+  return dataclasses.replace(plan, grid=grid, block_words=per_block * row_bytes // 4, tag=tuple(tag))
+
+
 def plan_problem(view: dict) -> str | None:
   """Why the Triton kernel cannot run the call the kernel view plans, or None."""
   if view["algorithm"] != _ALGORITHM_LAMPORT:
@@ -171,6 +206,17 @@ def call_for(op: str, view: dict, avals, params: dict, *, channel: str, poison: 
   primitive's ``params``) on the channel ``view`` describes, or why it
   cannot run the call."""
   plan = make_plan(view)
+  if op == "dcp_a2a":
+    out, _ = avals
+    batch, heads, dim = out.shape
+    row_bytes = dim * out.dtype.itemsize
+    problem = dcp_problem(out.dtype, batch, heads, plan.world, row_bytes, plan.cell_bytes, plan.max_blocks)
+    if problem is not None:
+      return problem
+    merge = dict(base2=bool(params["base2"]), return_lse=bool(params["return_lse"]))
+    dcp = dcp_plan(plan, batch, heads, row_bytes)
+    return Call((dcp, tuple(merge.items())),
+                lambda row, out, lse: list(dcp_a2a(out, lse, row, dcp, **merge, channel=channel, poison=poison)))
   if op == "all_reduce":
     problem = plan_problem(view)
     if problem is not None:
@@ -268,29 +314,46 @@ def _bfloat16_bits(f: jax.Array) -> jax.Array:
   return jnp.where(f != f, jnp.int32(0x7FFF), rounded)
 
 
-def _exchange(plan: Plan, table_ref, x_words: jax.Array):
+def _flat_iota(shape: tuple[int, ...]) -> jax.Array:
+  """Each element's row-major index in an array of ``shape``."""
+  index, stride = jnp.zeros(shape, _U32), 1
+  for dim in reversed(range(len(shape))):
+    index = index + jax.lax.broadcasted_iota(_U32, shape, dim) * stride
+    stride *= shape[dim]
+  return index
+
+
+def _exchange(plan: Plan, table_ref, parts):
   """One Lamport call of this program's block (its program id) on the
-  channel (lamport.h): pushes ``x_words`` (the block's ``plan.block_words``
-  words) into this rank's cell of every peer's buffer B(k), waits, bounded,
-  until every source's cell of B(k) arrived, checks the tags, records a
-  failure once per channel, refills and advances. Returns (done, cells,
-  rank, sink): whether the call finished, every source's arrived words (a
-  source this rank does not exchange with holds zeros), this rank, and
-  ``sink`` (0, the OR of every store's result, which the caller must fold
-  into its output: the module docstring). A block reads only its own
-  cells: each block cycles its buffers by the calls it took part in, so
+  channel (lamport.h). ``parts[p]``: the words this rank sends rank p (for
+  every p < world; a sum sends every peer the same), a tuple of segments
+  (int32 arrays, one shape per segment for every p) laid out one after the
+  other in the cell, then 0 up to a whole pack (a reader polls packs).
+  Pushes each peer's part into this rank's cell of its buffer B(k), waits,
+  bounded, until every source's cell of B(k) arrived, checks the tags,
+  records a failure once per channel, refills and advances. Returns (done,
+  cells, rank, sink): whether the call finished, every source's arrived
+  segments (a source this rank does not exchange with holds zeros), this
+  rank, and ``sink`` (0, the OR of every store's result, which the caller
+  must fold into its output: the module docstring). A block reads only its
+  own cells: each block cycles its buffers by the calls it took part in, so
   another block's B(k) may be a buffer that still holds an older call's
   words (docs/DESIGN.md, "Triton kernels")."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plt
 
-  W = plan.block_words
+  shapes = [segment.shape for segment in parts[0]]
+  starts = np.cumsum([0] + [int(np.prod(shape)) for shape in shapes]).tolist()
+  words_total = starts[-1]
+  packs = -(-words_total // 4)
+  tail = 4 * packs - words_total  # the pad words after the segments
+  control = shapes[0]  # the shape of per-call values (Signal words, flags): the first segment's
   sig_off, err_off = dict(plan.signal_offsets), dict(plan.error_offsets)
 
-  def asm(code: str, *args, lanes: int = W) -> jax.Array:
-    args = [jnp.broadcast_to(jnp.asarray(a, _U32), (lanes,)) for a in args]
+  def asm(code: str, *args, shape: tuple[int, ...] = control) -> jax.Array:
+    args = [jnp.broadcast_to(jnp.asarray(a, _U32), shape) for a in args]
     (out,) = plt.elementwise_inline_asm(code, args=args, constraints="=r," + ",".join(["r"] * len(args)), pack=1,
-                                        result_shape_dtypes=[jax.ShapeDtypeStruct((lanes,), _U32)])
+                                        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, _U32)])
     return out
 
   # Every table word is read here, once: a ref read inside a loop body
@@ -300,24 +363,26 @@ def _exchange(plan: Plan, table_ref, x_words: jax.Array):
   def address(at: int):
     return table[at], table[at + 1]
 
-  def load(base, offset, dep, lanes: int = W):
-    return asm(_LOAD, *base, offset, dep, lanes=lanes)
+  def load(base, offset, dep, shape: tuple[int, ...] = control):
+    return asm(_LOAD, *base, offset, dep, shape=shape)
 
   def store(base, offset, value, enabled, dep):
-    return asm(_STORE, *base, offset, value, enabled.astype(_U32), dep)
+    return asm(_STORE, *base, offset, value, enabled.astype(_U32), dep, shape=jnp.shape(dep))
 
   def clock(dep):
-    return jnp.max(asm(_CLOCK, dep, lanes=dep.shape[0]))  # one reading for the whole program
+    return jnp.max(asm(_CLOCK, dep, shape=jnp.shape(dep)))  # one reading for the whole program
 
   def any_(mask) -> jax.Array:
     return jnp.max(mask.astype(jnp.int32)) > 0
 
   block = pl.program_id(0).astype(_U32)
-  lanes = jax.lax.iota(_U32, W)
-  header_lanes = jax.lax.iota(_U32, 4)  # a header's words
+  lanes = _flat_iota(control)
+  # Each segment's words: their index in the cell.
+  segment_words = [starts[k] + _flat_iota(shape) for k, shape in enumerate(shapes)]
+  header_lanes = jax.lax.iota(_U32, 4)  # a header's words; also the pad words'
   rank = table[_RANK]
   own_signal, error, own_lamport = address(_OWN_SIGNAL), address(_ERROR), address(_OWN_LAMPORT)
-  zero = jnp.zeros((W,), _U32)
+  zero = jnp.zeros(control, _U32)
 
   # The block's Signal words, as its previous call left them (lamport.h lamport_begin).
   def word(name: str, dep, per_block: bool = True):
@@ -331,9 +396,11 @@ def _exchange(plan: Plan, table_ref, x_words: jax.Array):
   served = word("served", zero)
   poisoned = word("poisoned", zero, per_block=False)
   generation = word("generation", zero, per_block=False)
-  previous = jnp.where(buffer == zero, jnp.full((W,), 2, _U32), buffer - 1)  # B(k - 1), cycling 0, 1, 2
   start = clock(buffer | calls | previous_packs | served | poisoned | generation)  # after every read
-  lowered_for = jnp.full((W,), table[_GENERATION], _U32)
+  # One value per block: scalars from here on.
+  buffer, calls = jnp.max(buffer), jnp.max(calls)
+  previous = jnp.where(buffer == 0, jnp.int32(2), buffer - 1)  # B(k - 1), cycling 0, 1, 2
+  lowered_for = jnp.full(control, table[_GENERATION], _U32)
   stale = any_(generation != lowered_for)
   go = jnp.logical_and(jnp.logical_not(any_(poisoned != zero)), jnp.logical_not(stale))
 
@@ -341,7 +408,7 @@ def _exchange(plan: Plan, table_ref, x_words: jax.Array):
     return rank == p if plan.loopback else rank != p
 
   def cell_offset(buf, source):
-    return ((buf * plan.world + source) * plan.max_blocks + block) * plan.cell_bytes + 4 * lanes
+    return ((buf * plan.world + source) * plan.max_blocks + block) * plan.cell_bytes
 
   def header_offset(buf, source, words=lanes):
     return plan.cells_bytes + ((buf * plan.world + source) * plan.max_blocks + block) * 16 + 4 * (words & 3)
@@ -353,16 +420,30 @@ def _exchange(plan: Plan, table_ref, x_words: jax.Array):
     return out
 
   tag_words = tag_of(lanes)
-  empty = jnp.full((W,), plan.empty_word, _U32)
-  wire = jnp.where(x_words == empty, jnp.full((W,), plan.nan_word, _U32), x_words)
+  empty = plan.empty_word
 
-  # 1. Push the payload and the header into this rank's cell of every peer's buffer B(k).
-  sink = zero  # ORs every store's result (0): what keeps them, in order (the module docstring)
+  def on_the_wire(words):
+    return jnp.where(words == empty, jnp.full(words.shape, plan.nan_word, _U32), words)
+
+  # 1. Push each peer's part and the header into this rank's cell of the
+  #    peer's buffer B(k). Each segment's stores form one chain (`sinks`:
+  #    every store's result ORed, what keeps them, in order: the module
+  #    docstring); the header's joins the first, the pad words' their own.
+  sinks = [jnp.zeros(shape, _U32) for shape in shapes]
+  pad_sink = jnp.zeros((4,), _U32)
   for p in range(plan.world):
     enabled = jnp.logical_and(exchanges_with(p), go)
     peer = address(_PEER_LAMPORT + 2 * p)
-    sink = sink | store(peer, cell_offset(buffer, rank), wire, jnp.broadcast_to(enabled, (W,)), sink)
-    sink = sink | store(peer, header_offset(buffer, rank), tag_words, jnp.logical_and(enabled, lanes < 4), sink)
+    cell = cell_offset(buffer, rank)
+    for k, segment in enumerate(parts[p]):
+      sinks[k] = sinks[k] | store(peer, cell + 4 * segment_words[k], on_the_wire(segment),
+                                  jnp.broadcast_to(enabled, segment.shape), sinks[k])
+    if tail:
+      pad_sink = pad_sink | store(peer, cell + 4 * (words_total + header_lanes), jnp.zeros((4,), _U32),
+                                  jnp.logical_and(enabled, header_lanes < tail), pad_sink)
+    sinks[0] = sinks[0] | store(peer, header_offset(buffer, rank), tag_words, jnp.logical_and(enabled, lanes < 4),
+                                sinks[0])
+  pushed = functools.reduce(jnp.bitwise_or, [jnp.max(sink) for sink in (*sinks, pad_sink)])
 
   # 2. Poll every source's cells and headers of B(k) until no word is empty,
   #    bounded (protocol.h poll_peer): the deadline, or the peer's poison
@@ -373,14 +454,17 @@ def _exchange(plan: Plan, table_ref, x_words: jax.Array):
   spin_bound = jnp.minimum(bound, _MAX_WAIT_UNITS // _SPINS_PER_UNIT) * _SPINS_PER_UNIT
   sources = list(range(plan.world))
   read_tag = tag_of(header_lanes)
+  segments = len(shapes)
 
   def poll(it):
-    dep = jnp.broadcast_to(it, (W,))
-    cells = [load(own_lamport, cell_offset(buffer, q), dep) for q in sources]
-    headers = [load(own_lamport, header_offset(jnp.max(buffer), q, header_lanes), jnp.broadcast_to(it, (4,)), 4)
+    cells = [tuple(load(own_lamport, cell_offset(buffer, q) + 4 * segment_words[k], jnp.broadcast_to(it, shape),
+                        shape) for k, shape in enumerate(shapes))
+             for q in sources]
+    headers = [load(own_lamport, header_offset(buffer, q, header_lanes), jnp.broadcast_to(it, (4,)), (4,))
                for q in sources]
-    pending = [jnp.logical_and(exchanges_with(q), jnp.logical_or(any_(c == empty), any_(h == plan.empty_word)))
-               for q, c, h in zip(sources, cells, headers)]
+    pending = [jnp.logical_and(exchanges_with(q), functools.reduce(jnp.logical_or, [any_(c == empty) for c in cell]
+                                                                   + [any_(h == plan.empty_word)]))
+               for q, cell, h in zip(sources, cells, headers)]
     return cells, headers, pending
 
   def first_of(flags) -> jax.Array:  # the lowest rank whose flag is set, else world
@@ -395,27 +479,29 @@ def _exchange(plan: Plan, table_ref, x_words: jax.Array):
     return jnp.logical_and(waiting > 0, failed_peer < 0)
 
   def body(carry):
-    it, _, _, _, *_ = carry
+    it = carry[0]
     cells, headers, pending = poll(it)
     waiting = functools.reduce(jnp.logical_or, pending)
-    now = clock(jnp.broadcast_to(it, (W,)) | cells[0])
+    now = clock(jnp.broadcast_to(it, control) | cells[0][0])
     elapsed = now - start
     late = jnp.logical_or(elapsed > bound, it > spin_bound)
     # A pending peer that poisoned the channel gave up: stop now (after the grace).
     look = jnp.logical_and(waiting, elapsed > plan.grace_units)
     gave = [jnp.logical_and(pending[q], any_(asm(_LOAD_IF, *address(_PEER_SIGNAL + 2 * q), sig_off["poisoned"],
-                                                  look.astype(_U32), jnp.broadcast_to(it, (W,))) != 0))
+                                                  look.astype(_U32), jnp.broadcast_to(it, control)) != 0))
             for q in sources]
     gave_up = functools.reduce(jnp.logical_or, gave)
     failed = jnp.logical_and(waiting, jnp.logical_or(late, gave_up))
     failed_peer = jnp.where(failed, jnp.where(gave_up, first_of(gave), first_of(pending)), -1)
-    return (it + 1, waiting.astype(jnp.int32), failed_peer, gave_up.astype(jnp.int32), *cells, *headers)
+    return (it + 1, waiting.astype(jnp.int32), failed_peer, gave_up.astype(jnp.int32),
+            *[c for cell in cells for c in cell], *headers)
 
-  init = (jnp.max(sink), go.astype(jnp.int32), jnp.int32(-1), jnp.int32(0), *([zero] * plan.world),
-          *([jnp.zeros((4,), _U32)] * plan.world))
+  init = (pushed, go.astype(jnp.int32), jnp.int32(-1), jnp.int32(0),
+          *([jnp.zeros(shape, _U32) for shape in shapes] * plan.world), *([jnp.zeros((4,), _U32)] * plan.world))
   it, _, failed_peer, gave_up, *polled = jax.lax.while_loop(cond, body, init)
   gave_up = gave_up > 0
-  cells, headers = polled[:plan.world], polled[plan.world:]
+  cells = [tuple(polled[q * segments:(q + 1) * segments]) for q in sources]
+  headers = polled[plan.world * segments:]
   timed_out = failed_peer >= 0
 
   # 3. The tags (lamport.h lamport_header_state), once every word arrived.
@@ -432,39 +518,42 @@ def _exchange(plan: Plan, table_ref, x_words: jax.Array):
   kind = jnp.where(stale, kinds[0], jnp.where(mismatch, kinds[1], kinds[2]))
   record = jnp.logical_or(stale, jnp.logical_or(timed_out, mismatch))
   peer = jnp.where(stale, -1, jnp.where(mismatch, mismatch_peer, failed_peer))
-  epoch = jnp.where(stale, lowered_for, calls + 1)
-  sink = sink | asm(_record_asm(err_off, sig_off["poisoned"], plan.error_complete), *own_signal, *error,
-                    jnp.logical_and(record, lanes == 0).astype(_U32), kind, rank, peer.astype(_U32), epoch,
-                    jnp.logical_and(gave_up, timed_out).astype(_U32), first_call.astype(_U32),
-                    *[jnp.int32(t) for t in plan.tag], *seen, generation, jnp.broadcast_to(it, (W,)))
+  epoch = jnp.where(stale, jnp.max(lowered_for), calls + 1)
+  sink = sinks[0] | asm(_record_asm(err_off, sig_off["poisoned"], plan.error_complete), *own_signal, *error,
+                        jnp.logical_and(record, lanes == 0).astype(_U32), kind, rank, peer.astype(_U32), epoch,
+                        jnp.logical_and(gave_up, timed_out).astype(_U32), first_call.astype(_U32),
+                        *[jnp.int32(t) for t in plan.tag], *seen, jnp.max(generation), jnp.broadcast_to(it, control))
   done = jnp.logical_and(go, jnp.logical_not(jnp.logical_or(timed_out, mismatch)))
 
   # 5. Refill the cells and headers of B(k - 1) this block read in its
   #    previous call (lamport.h lamport_refill), then advance (lamport_advance).
   previous_words = jnp.max(previous_packs) * 4
+  chunk_words = lanes.size
 
   def refill_cond(carry):
-    return carry[0] * W < previous_words
+    return carry[0] * chunk_words < previous_words
 
   def refill_body(carry):
     chunk, acc = carry
-    words = chunk * W + lanes
+    words = chunk * chunk_words + lanes
     for q in sources:
       enabled = jnp.logical_and(jnp.logical_and(exchanges_with(q), done), words < previous_words)
-      acc = acc | store(own_lamport, cell_offset(previous, q) + 4 * chunk * W, empty, enabled, acc)
+      acc = acc | store(own_lamport, cell_offset(previous, q) + 4 * words, jnp.full(control, empty, _U32), enabled, acc)
     return chunk + 1, acc
 
   _, sink = jax.lax.while_loop(refill_cond, refill_body, (jnp.int32(0), sink))
   for q in sources:
     enabled = jnp.logical_and(jnp.logical_and(exchanges_with(q), done), lanes < 4)
-    sink = sink | store(own_lamport, header_offset(previous, q), empty, enabled, sink)
-  following = jnp.where(buffer == jnp.full((W,), 2, _U32), zero, buffer + 1)
+    sink = sink | store(own_lamport, header_offset(previous, q), jnp.full(control, empty, _U32), enabled, sink)
+  following = jnp.where(buffer == 2, jnp.int32(0), buffer + 1)
   head = jnp.logical_and(done, lanes == 0)
-  for name, value in (("served", jnp.ones((W,), _U32)), ("lamport_calls", calls + 1),
-                      ("lamport_buffer", following), ("lamport_packs", jnp.full((W,), W // 4, _U32))):
-    sink = sink | store(own_signal, sig_off[name] + 4 * block, value, head, sink)
-  cells = [jnp.where(exchanges_with(q), c, zero) for q, c in enumerate(cells)]
-  return done, cells, rank, jnp.max(sink)
+  for name, value in (("served", 1), ("lamport_calls", calls + 1), ("lamport_buffer", following),
+                      ("lamport_packs", packs)):
+    sink = sink | store(own_signal, sig_off[name] + 4 * block, jnp.broadcast_to(jnp.asarray(value, _U32), control),
+                        head, sink)
+  cells = [tuple(jnp.where(exchanges_with(q), c, jnp.zeros(c.shape, _U32)) for c in cell)
+           for q, cell in enumerate(cells)]
+  return done, cells, rank, functools.reduce(jnp.bitwise_or, [jnp.max(x) for x in (sink, *sinks[1:], pad_sink)])
 
 
 def _sum_in_rank_order(parts, dtype: str) -> tuple[jax.Array, ...]:
@@ -497,9 +586,9 @@ def _words(values: tuple[jax.Array, ...], dtype: str) -> jax.Array:
 
 def _all_reduce_kernel(plan: Plan, dtype: str, table_ref, x_ref, y_ref):
   x_words = x_ref[...]
-  done, cells, rank, sink = _exchange(plan, table_ref, x_words)
+  done, cells, rank, sink = _exchange(plan, table_ref, [(x_words,)] * plan.world)
   # This rank's own part from its input, except under loopback (channel.h from_own_input).
-  parts = [c if plan.loopback else jnp.where(rank == q, x_words, c) for q, c in enumerate(cells)]
+  parts = [c if plan.loopback else jnp.where(rank == q, x_words, c) for q, (c,) in enumerate(cells)]
   total = _words(_sum_in_rank_order(parts, dtype), dtype)
   # NaN where the call could not finish (C8); `sink` (always 0) keeps every store.
   failed_or_kept = jnp.logical_or(jnp.logical_not(done), sink != 0)
@@ -510,8 +599,8 @@ def _rmsnorm_kernel(plan: Plan, dtype: str, hidden: int, eps: float, table_ref, 
                     normed_ref, residual_out_ref):
   """The fused op (ffi/rmsnorm.h's math) on one row per program."""
   x_words = x_ref[...]
-  done, cells, rank, sink = _exchange(plan, table_ref, x_words)
-  parts = [c if plan.loopback else jnp.where(rank == q, x_words, c) for q, c in enumerate(cells)]
+  done, cells, rank, sink = _exchange(plan, table_ref, [(x_words,)] * plan.world)
+  parts = [c if plan.loopback else jnp.where(rank == q, x_words, c) for q, (c,) in enumerate(cells)]
   # residual_out = round(sum + residual), one rounding; the norm reads it rounded.
   total = _sum_in_rank_order(parts, dtype)
   residual_out = _words(tuple(s + r for s, r in zip(total, _elements(residual_ref[...], dtype))), dtype)
@@ -587,3 +676,90 @@ def residual_rmsnorm(x: jax.Array, residual: jax.Array, weight: jax.Array, row: 
                                          num_stages=1),
       name=f"b12x_residual_rmsnorm_lamport_{channel}", metadata={"b12x_channel": channel})(*operands)
   return tuple(jax.lax.bitcast_convert_type(y, x.dtype).reshape(x.shape) for y in (normed, new_residual))
+
+
+def _dcp_kernel(plan: Plan, rows: int, base2: bool, return_lse: bool, table_ref, *refs):
+  """The DCP merge (ffi/dcp.h's math) of one block's ``rows`` result rows:
+  ``refs`` are every destination's input rows [rows, row words] and lse
+  [rows] (int32 bits), then the merged rows (and lse)."""
+  world = plan.world
+  x_refs, lse_refs, outputs = refs[:world], refs[world:2 * world], refs[2 * world:]
+  xs, lses = [ref[...] for ref in x_refs], [ref[...] for ref in lse_refs]
+  done, cells, rank, sink = _exchange(plan, table_ref, list(zip(xs, lses)))
+  own = lambda q, mine, cell: cell if plan.loopback else jnp.where(rank == q, mine, cell)  # noqa: E731
+  payloads = [own(q, xs[q], cell[0]) for q, cell in enumerate(cells)]
+  lse_bits = [own(q, lses[q], cell[1]) for q, cell in enumerate(cells)]
+  # merge_weights: a source whose lse is not finite has weight 0, and its payload is never summed.
+  finite = [(bits & 0x7F800000) != 0x7F800000 for bits in lse_bits]
+  lse = [jax.lax.bitcast_convert_type(bits, jnp.float32) for bits in lse_bits]
+  m = jnp.full((rows,), -jnp.inf, jnp.float32)
+  for f, value in zip(finite, lse):
+    m = jnp.where(jnp.logical_and(f, value > m), value, m)
+  exp, log = (jnp.exp2, jnp.log2) if base2 else (jnp.exp, jnp.log)
+  weights = [jnp.where(f, exp(jnp.where(f, value, m) - m), 0.0) for f, value in zip(finite, lse)]
+  total = functools.reduce(jnp.add, weights)
+  some = total > 0
+  per_word = lambda v: jax.lax.broadcast_in_dim(v, xs[0].shape, (0,))  # noqa: E731  # a row's value on its words
+  low, high = jnp.zeros(xs[0].shape, jnp.float32), jnp.zeros(xs[0].shape, jnp.float32)
+  for w, payload in zip(weights, payloads):  # rank order (C9)
+    scale = per_word(jnp.where(some, w / jnp.where(some, total, 1.0), 0.0))
+    taken = scale != 0
+    part_low, part_high = _halves(payload)
+    low = low + jnp.where(taken, scale * part_low, 0.0)
+    high = high + jnp.where(taken, scale * part_high, 0.0)
+  # NaN where the call could not finish (C8); `sink` (always 0) keeps every store.
+  failed_or_kept = jnp.logical_or(jnp.logical_not(done), sink != 0)
+  outputs[0][...] = jnp.where(failed_or_kept, jnp.int32(_signed(_DTYPES["bfloat16"])), _words((low, high), "bfloat16"))
+  if return_lse:
+    merged = jnp.where(some, m + log(jnp.where(some, total, 1.0)), -jnp.inf)
+    outputs[1][...] = jnp.where(failed_or_kept, jnp.int32(-1), jax.lax.bitcast_convert_type(merged, _U32))
+
+
+def dcp_a2a(out: jax.Array, lse: jax.Array, row: jax.Array, plan: Plan, *, base2: bool, return_lse: bool,
+            channel: str, poison: bool) -> list[jax.Array]:
+  """The DCP merge of ``out`` [B, H, D] (bfloat16) and ``lse`` [B, H] as a
+  Pallas Triton kernel of ``plan`` (dcp_plan): program i takes the FFI
+  kernel's block i, a run of one batch row's heads. Returns [merged out]
+  (and the merged lse)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plt
+
+  batch, heads, dim = out.shape
+  world = plan.world
+  row_words = dim // 2
+  rows = plan.block_words // row_words  # per block
+  runs = heads // world // rows  # blocks per batch row
+  words = jax.lax.bitcast_convert_type(out.reshape(batch, world, runs, rows, row_words, 2), _U32)
+  lse_bits = jax.lax.bitcast_convert_type(lse, _U32).reshape(batch, world, runs, rows)
+  # One operand per destination: a block's rows of that destination's heads.
+  x_specs = [pl.BlockSpec((None, None, None, rows, row_words), lambda i, p=p: (i // runs, p, i % runs, 0, 0))
+             for p in range(world)]
+  lse_specs = [pl.BlockSpec((None, None, None, rows), lambda i, p=p: (i // runs, p, i % runs, 0)) for p in range(world)]
+  out_spec = pl.BlockSpec((None, None, rows, row_words), lambda i: (i // runs, i % runs, 0, 0))
+  lse_spec = pl.BlockSpec((None, None, rows), lambda i: (i // runs, i % runs, 0))
+  out_shapes = [_compat.shape_dtype_like(words, (batch, runs, rows, row_words))]
+  out_specs = [out_spec]
+  if return_lse:
+    out_shapes.append(_compat.shape_dtype_like(words, (batch, runs, rows)))
+    out_specs.append(lse_spec)
+  operands = [row, *[words] * world, *[lse_bits] * world]
+  in_specs = [pl.BlockSpec((ROW_WORDS,), lambda i: (0,)), *x_specs, *lse_specs]
+  aliases = {}
+  if poison:  # poison_outputs: NaN in every element the kernel does not write
+    for k, shape in enumerate(out_shapes):
+      aliases[len(operands)] = k
+      operands.append(jnp.full(shape.shape, -1, _U32))
+    in_specs += out_specs
+
+  def kernel(table_ref, *refs):  # refs: inputs, (the poisoned outputs,) and the outputs
+    _dcp_kernel(plan, rows, base2, return_lse, table_ref, *refs[:2 * world], *refs[-len(out_shapes):])
+  results = pl.pallas_call(
+      kernel, out_shape=out_shapes, grid=(plan.grid,), in_specs=in_specs, out_specs=out_specs,
+      input_output_aliases=aliases,
+      compiler_params=plt.CompilerParams(num_warps=min(16, 1 << max(2, (plan.block_words * world // 2048).bit_length() - 1)),
+                                         num_stages=1),
+      name=f"b12x_dcp_a2a_lamport_{channel}", metadata={"b12x_channel": channel})(*operands)
+  merged = jax.lax.bitcast_convert_type(results[0], jnp.bfloat16).reshape(batch, heads // world, dim)
+  if not return_lse:
+    return [merged]
+  return [merged, jax.lax.bitcast_convert_type(results[1], jnp.float32).reshape(batch, heads // world)]

@@ -7,11 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import batching
 
-from b12x_jax import _compat
+from b12x_jax import _compat, _native
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import PACK_BYTES, get_communicator
-from b12x_jax.ops._common import (axis_size, batch_size, collective_primitive, differentiate_by_fallback,
-                                  register_batcher, why_not_a_mesh_axis)
+from b12x_jax.ops import _triton_lamport
+from b12x_jax.ops._common import (axis_size, batch_size, channel_blocks, collective_primitive,
+                                  differentiate_by_fallback, register_batcher, why_not_a_mesh_axis)
 
 _OP = "dcp_a2a"
 _TARGET = "b12x_dcp_a2a"
@@ -89,7 +90,9 @@ def dcp_a2a(out, lse, axis_name: str, *, return_lse: bool = False, lse_base: str
   sequence as the channel's all_reduce calls.
 
   Takes the b12x path when a row of out is a multiple of 16 bytes and the
-  rows staged per source fit the communicator's ``capacity_bytes``;
+  rows fit the channel's Lamport cells (the flagless Lamport exchange, at
+  decode sizes: ffi/dcp.h plan_dcp_lamport) or the rows staged per source
+  fit the communicator's ``capacity_bytes`` (the barrier protocol);
   otherwise ``jax.lax.all_to_all`` plus the same merge in jnp (policy
   "auto") or an IneligibleError (policy "strict"). The choice is recorded
   in ``get_communicator().decisions``. Under ``jax.vmap`` the batches are
@@ -106,19 +109,29 @@ def dcp_a2a(out, lse, axis_name: str, *, return_lse: bool = False, lse_base: str
   base2 = lse_base == "2"
   comm = get_communicator()
   why_not = why_not_a_mesh_axis(axis_name)
-  if size == 1:
+  if size == 1 and not comm.loopback:  # loopback: a group of one runs the exchange too
     results = _merge(out[None], lse[None], base2=base2, return_lse=return_lse)
   elif why_not is not None:
     comm.outside_window(_OP, name, *why_not, fallback=_FALLBACK)
     results = _all_to_all_path(out, lse, axis_name=axis_name, base2=base2, return_lse=return_lse)
   else:
     row_bytes = dim * out.dtype.itemsize
-    staged = _staged_bytes(batch * heads // size, row_bytes, comm.max_blocks or _MAX_BLOCKS)
+    blocks = channel_blocks(comm.max_blocks)
+    cell = _native.lamport_cell_bytes(comm.native_options(), blocks)
+    lamport = row_bytes % PACK_BYTES == 0 and _native.dcp_lamport_plan(cell, blocks, batch, heads, size, row_bytes)[0]
+    # In the Lamport window nothing is staged in the barrier protocol's cells.
+    staged = 0 if lamport else _staged_bytes(batch * heads // size, row_bytes, comm.max_blocks or _MAX_BLOCKS)
+    kernel = comm.choose_kernel(_OP, _triton_lamport.dcp_problem(out.dtype, batch, heads, size, row_bytes, cell,
+                                                                 blocks) if lamport else
+                                "the call is outside the Lamport window")
+    protocol = ("lamport (the rows fit the channel's Lamport cells)" if lamport else
+                "the barrier protocol (the rows exceed the channel's Lamport cells)")
     decision = comm.choose_path(_OP, name, row_bytes, out.dtype, size, unit="row of out", arg="out",
                                 staged_bytes=staged, shrink="split the batch B of out into smaller calls",
-                                fallback=_FALLBACK)
+                                fallback=_FALLBACK, detail=protocol, kernel=kernel)
     if decision.path == "b12x":
-      results = dcp_a2a_p.bind(out, lse, axis_name=axis_name, channel=name, base2=base2, return_lse=return_lse)
+      results = dcp_a2a_p.bind(out, lse, axis_name=axis_name, channel=name, base2=base2, return_lse=return_lse,
+                               kernel=decision.kernel)
     else:
       results = _all_to_all_path(out, lse, axis_name=axis_name, base2=base2, return_lse=return_lse)
   return tuple(results) if return_lse else results[0]
@@ -127,8 +140,8 @@ def dcp_a2a(out, lse, axis_name: str, *, return_lse: bool = False, lse_base: str
 # -- lowering ---------------------------------------------------------------------
 
 
-def _abstract_eval(out, lse, *, axis_name: str, channel: str, base2: bool, return_lse: bool):
-  del channel, base2
+def _abstract_eval(out, lse, *, axis_name: str, channel: str, base2: bool, return_lse: bool, kernel: str):
+  del channel, base2, kernel
   batch, heads, dim = out.shape
   shard_heads = heads // jax.lax.axis_size(axis_name)
   axes = {axis_name} | _compat.varying_axes(lse)
@@ -160,9 +173,10 @@ def _merge(outs, lses, *, base2: bool, return_lse: bool) -> list:
   return results
 
 
-def _all_to_all_path(out, lse, *, axis_name: str, base2: bool, return_lse: bool) -> list:
+def _all_to_all_path(out, lse, *, axis_name: str, base2: bool, return_lse: bool, kernel: str = "ffi") -> list:
   """The fallback: every rank sends destination p the heads of p's shard
   with ``jax.lax.all_to_all``, then merges the N sources locally."""
+  del kernel
   size = jax.lax.axis_size(axis_name)
   batch, heads, dim = out.shape
   shard_heads = heads // size
@@ -176,10 +190,11 @@ def _all_to_all_path(out, lse, *, axis_name: str, base2: bool, return_lse: bool)
 # -- batching --------------------------------------------------------------------
 
 
-def _batch(args, dims, *, axis_name: str, channel: str, base2: bool, return_lse: bool):
+def _batch(args, dims, *, axis_name: str, channel: str, base2: bool, return_lse: bool, kernel: str):
   """A batched dcp_a2a is one dcp_a2a of the batches folded into B: the
   merge is independent per (row of B, head), so V batches of [B, H, D] are
   one call of [V*B, H, D], its path chosen again for that size."""
+  del kernel  # chosen again for the folded size
   out, lse = (batching.bdim_at_front(a, d, batch_size(args, dims)) for a, d in zip(args, dims))
   vmapped, batch, heads, dim = out.shape
   results = dcp_a2a(out.reshape(vmapped * batch, heads, dim), lse.reshape(vmapped * batch, heads), axis_name,

@@ -12,28 +12,13 @@ from b12x_jax import _compat, _native
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import PACK_BYTES, Decision, get_communicator
 from b12x_jax.ops import _triton_lamport
-from b12x_jax.ops._common import (axis_size, batch_size, collective_primitive, differentiate_by_fallback,
-                                  register_batcher, why_not_a_mesh_axis)
+from b12x_jax.ops._common import (axis_size, batch_size, channel_blocks, collective_primitive,
+                                  differentiate_by_fallback, register_batcher, why_not_a_mesh_axis)
 from b12x_jax.ops.all_reduce import all_reduce
 
 _OP = "all_reduce_residual_rmsnorm"
 _TARGET = "b12x_residual_rmsnorm"
 _DTYPES = ("float32", "bfloat16", "float16")
-# Largest grid of a channel (ffi/channel.h kMaxBlocks).
-_MAX_BLOCKS = 64
-
-
-def _grid_limit(max_blocks: int | None) -> int:
-  """The blocks a channel gets, as the native layer resolves them: on GPUs
-  (cuda_channel.cu, resolve_max_blocks) the Communicator's max_blocks, else
-  min(64, the SM count of the smallest visible GPU); without one, the host
-  backend's single block (cpu/host_channel.cc)."""
-  try:
-    sms = [getattr(d, "core_count", _MAX_BLOCKS) for d in jax.devices("gpu")]
-  except RuntimeError:
-    return 1
-  return max_blocks if max_blocks is not None else min([_MAX_BLOCKS, *sms])
-
 # -- validation -----------------------------------------------------------------
 
 
@@ -115,7 +100,7 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
   comm = get_communicator()
   row_bytes = x.shape[-1] * x.dtype.itemsize
   rows = x.size // x.shape[-1]
-  grid = _grid_limit(comm.max_blocks)
+  grid = channel_blocks(comm.max_blocks)
   cell = _native.lamport_cell_bytes(comm.native_options(), grid)
   not_a_mesh_axis = why_not_a_mesh_axis(axis_name)
   why_not = _fused_window(rows, row_bytes, cell, grid)

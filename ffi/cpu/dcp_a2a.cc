@@ -1,6 +1,7 @@
-// DCP all-to-all merge on the host backend: the protocol of protocol.h with
-// one block, driven by the progress thread (progress.h); the rows and the
-// merge math are those of dcp.h.
+// DCP all-to-all merge on the host backend with one block, driven by the
+// progress thread (progress.h): the Lamport exchange of lamport.h where the
+// rows fit the Lamport cell, else the barrier protocol of protocol.h; the
+// rows and the merge math are those of dcp.h.
 #include <cstring>
 #include <memory>
 #include <string>
@@ -24,7 +25,7 @@ namespace {
 void stage_rows(const ChannelView& v, const DcpShape& s, int slot, const Pack* in, const float* in_lse) {
   const DcpCell cell{s.rows(), s.row_packs};
   for (int p = 0; p < v.world; ++p) {
-    if (p == v.rank) continue;
+    if (!exchanges_with(v, p)) continue;
     char* base = v.staging[p] + v.layout.cell_offset(slot, v.rank, 0);
     Pack* payload = cell.payload(base);
     float* lse = cell.lse(base);
@@ -38,25 +39,20 @@ void stage_rows(const ChannelView& v, const DcpShape& s, int slot, const Pack* i
   }
 }
 
-// Merges this rank's rows: its own from the input, the peers' from its cells.
+// Merges this rank's rows from every source's cell (`cells[q]`, laid out as
+// DcpCell of all the rows), its own from the input where from_own_input.
 template <DType D>
-void merge_rows(const ChannelView& v, const DcpShape& s, int slot, const Pack* in, const float* in_lse, Pack* out,
-                float* out_lse) {
+void merge_rows(const ChannelView& v, const DcpShape& s, const char* const* cells, const Pack* in,
+                const float* in_lse, Pack* out, float* out_lse) {
   const DcpCell cell{s.rows(), s.row_packs};
-  const Pack* payload[kMaxRanks];
-  const float* lse[kMaxRanks];
-  for (int q = 0; q < v.world; ++q) {
-    char* base = v.staging[v.rank] + v.layout.cell_offset(slot, q, 0);
-    payload[q] = cell.payload(base);
-    lse[q] = cell.lse(base);
-  }
   for (int row = 0; row < cell.rows; ++row) {
     const size_t own = s.input_row(v.rank, row);
     const Pack* rows[kMaxRanks];
     float row_lse[kMaxRanks], scale[kMaxRanks];
     for (int q = 0; q < v.world; ++q) {
-      rows[q] = q == v.rank ? in + own * s.row_packs : payload[q] + static_cast<size_t>(row) * s.row_packs;
-      row_lse[q] = q == v.rank ? in_lse[own] : lse[q][row];
+      rows[q] = from_own_input(v, q) ? in + own * s.row_packs
+                                     : cell.payload(cells[q]) + static_cast<size_t>(row) * s.row_packs;
+      row_lse[q] = from_own_input(v, q) ? in_lse[own] : cell.lse(cells[q])[row];
     }
     const float merged = merge_weights(row_lse, v.world, s.base2, scale);
     for (int k = 0; k < s.row_packs; ++k) {
@@ -70,7 +66,8 @@ void merge_rows(const ChannelView& v, const DcpShape& s, int slot, const Pack* i
   }
 }
 
-using Merger = void (*)(const ChannelView&, const DcpShape&, int, const Pack*, const float*, Pack*, float*);
+using Merger = void (*)(const ChannelView&, const DcpShape&, const char* const*, const Pack*, const float*, Pack*,
+                        float*);
 
 // One barrier: stage the rows, meet, merge.
 class DcpCall final : public BarrierCall {
@@ -84,7 +81,43 @@ class DcpCall final : public BarrierCall {
   void stage(const ChannelView& v, uint32_t epoch, int /*phase*/) override {
     stage_rows(v, s_, epoch & 1, in_, in_lse_);
   }
-  void done(const ChannelView& v, uint32_t epoch) override { merge_(v, s_, epoch & 1, in_, in_lse_, out_, out_lse_); }
+  void done(const ChannelView& v, uint32_t epoch) override {
+    const char* cells[kMaxRanks] = {};
+    for (int q = 0; q < v.world; ++q) cells[q] = v.staging[v.rank] + v.layout.cell_offset(epoch & 1, q, 0);
+    merge_(v, s_, cells, in_, in_lse_, out_, out_lse_);
+  }
+
+  DcpShape s_;
+  Merger merge_;
+  const Pack* in_;
+  const float* in_lse_;
+  Pack* out_;
+  float* out_lse_;
+};
+
+// The Lamport exchange of the rows (plan_dcp_lamport: one block, all rows):
+// each peer's cell gets the rows of its heads; the merge reads the cells
+// once every word arrived.
+class LamportDcpCall final : public LamportHostCall {
+ public:
+  LamportDcpCall(RankHandle handle, ffi::Promise promise, const DcpShape& s, Merger merge, const Pack* in,
+                 const float* in_lse, Pack* out, float* out_lse)
+      : LamportHostCall(handle, std::move(promise), plan_dcp_lamport(s, handle.view().lamport_layout).tag(s), nullptr,
+                        DcpCell{s.rows(), s.row_packs}.lamport_packs()),
+        s_(s), merge_(merge), in_(in), in_lse_(in_lse), out_(out), out_lse_(out_lse) {}
+
+  void finish(const ChannelView& v) override {
+    LamportHostCall::finish(v);
+    const char* cells[kMaxRanks] = {};
+    for (int q = 0; q < v.world; ++q) cells[q] = v.lamport[v.rank] + v.lamport_layout.cell_offset(call().buffer, q, 0);
+    merge_(v, s_, cells, in_, in_lse_, out_, out_lse_);
+  }
+
+ private:
+  Pack part(const ChannelView& /*v*/, int dest, size_t i) const override {
+    return dcp_lamport_pack(s_, in_, in_lse_, dest, 0, s_.rows(), i);
+  }
+  void reduce(const ChannelView&, size_t, const Pack*) override {}  // the merge needs whole rows: finish
 
   DcpShape s_;
   Merger merge_;
@@ -101,7 +134,7 @@ std::string check_call(const RankHandle& handle, const ffi::AnyBuffer& x, const 
   const ChannelView& v = handle.view();
   std::string problem = dcp_call_shape(x, lse, rets.size(), return_lse, v, base2, shape);
   if (!problem.empty()) return problem;
-  if (plan_dcp(shape, v.layout, 1).grid == 0) return dcp_capacity_message(shape, v.layout);
+  if (plan_dcp_call(shape, v, 1).grid == 0) return dcp_capacity_message(shape, v.layout);
   if (return_lse) {
     auto lse_out = rets.get<ffi::AnyBuffer>(0);
     if (!lse_out.has_value()) return "b12x_jax.dcp_a2a: the merged lse result is not a buffer";
@@ -131,7 +164,11 @@ ffi::Future DcpA2aHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::AnyBu
   const auto* in_lse = static_cast<const float*>(lse.untyped_data());
   auto* out = static_cast<Pack*>(y->untyped_data());
   if (handle.group->options().poison_outputs) std::memset(out, 0xFF, y->size_bytes());  // NaN everywhere
-  submit_host_call(std::make_unique<DcpCall>(handle, promise, s, merge, in, in_lse, out, out_lse));
+  if (plan_dcp_call(s, handle.view(), 1).lamport) {
+    submit_host_call(std::make_unique<LamportDcpCall>(handle, promise, s, merge, in, in_lse, out, out_lse));
+  } else {
+    submit_host_call(std::make_unique<DcpCall>(handle, promise, s, merge, in, in_lse, out, out_lse));
+  }
   return future;
 }
 

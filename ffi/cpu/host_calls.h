@@ -68,9 +68,10 @@ class BarrierCall : public HostCall {
   uint32_t epoch_ = 0;
 };
 
-// One Lamport exchange of `n` packs of `in` (lamport.h): start pushes the
-// header and the data; poll checks every source's header, then its packs
-// from where the last poll stopped (no word still empty); finish hands each
+// One Lamport exchange of `n` packs per source (lamport.h): start pushes the
+// header and the data (`part`: every peer gets `in`, unless an op sends
+// each peer its own); poll checks every source's header, then its packs from
+// where the last poll stopped (no word still empty); finish hands each
 // pack's sources in rank order to `reduce`, refills the previous buffer and
 // advances.
 class LamportHostCall : public HostCall {
@@ -81,7 +82,11 @@ class LamportHostCall : public HostCall {
   void start(const ChannelView& v, int /*phase*/) override {
     call_ = lamport_begin<HostMem>(v, 0, tag_);
     lamport_push_header<HostMem>(v, call_);
-    for (size_t i = 0; i < n_; ++i) lamport_push<HostMem>(v, call_, i, in_[i]);
+    for (size_t i = 0; i < n_; ++i) {
+      for (int p = 0; p < v.world; ++p) {
+        if (exchanges_with(v, p)) lamport_push_to<HostMem>(v, call_, p, i, part(v, p, i));
+      }
+    }
   }
 
   PeerState poll(const ChannelView& v, int /*phase*/, const Deadline& deadline) override {
@@ -108,7 +113,7 @@ class LamportHostCall : public HostCall {
       Pack staged[kMaxRanks];
       for (int q = 0; q < v.world; ++q) {
         if (from_own_input(v, q)) {
-          staged[q] = in_[i];
+          staged[q] = part(v, q, i);
         } else {
           lamport_load<HostMem>(v, call_, q, i, staged[q]);  // arrived: poll saw every word
         }
@@ -120,8 +125,14 @@ class LamportHostCall : public HostCall {
   }
 
  protected:
+  // Pack i of what this rank sends rank `dest` (its own part where dest is
+  // this rank): `in[i]` for every dest, unless the op overrides it.
+  virtual Pack part(const ChannelView& /*v*/, int /*dest*/, size_t i) const { return in_[i]; }
   // Pack i of the result from `staged[q]`, source q's pack i, q < world.
   virtual void reduce(const ChannelView& v, size_t i, const Pack* staged) = 0;
+  // This call's buffers and counts (lamport.h), from start on: its cells
+  // stay as they are until the next call of the channel.
+  const LamportCall& call() const { return call_; }
 
  private:
   CallTag tag_;

@@ -1,6 +1,7 @@
-// DCP all-to-all merge between the GPUs of a channel: push, barrier and merge
-// in one kernel (DESIGN C5-C10), run by the protocol of protocol.h on the
-// rows and math of dcp.h.
+// DCP all-to-all merge between the GPUs of a channel: push, meet and merge
+// in one kernel (DESIGN C5-C10), by the Lamport exchange of lamport.h where
+// the rows fit the Lamport cells, else by the barrier protocol of
+// protocol.h, on the rows and math of dcp.h.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -12,6 +13,7 @@
 #include "../registry.h"
 #include "block_barrier.cuh"
 #include "cuda_memory.cuh"
+#include "lamport.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -25,60 +27,33 @@ constexpr int kThreads = 512;
 // large one wants enough blocks to keep NVLink busy.
 constexpr size_t kBytesPerBlock = 8 * 1024;
 
-// Push, meet, merge. Block b owns result rows [b * per_block, (b + 1) *
-// per_block) on every rank (same plan everywhere: the shape is static) and
-// only its own staging cells, so blocks never wait on each other.
-template <DType D>
-__global__ void __launch_bounds__(kThreads)
-    dcp_a2a_kernel(ChannelView v, DcpShape s, DcpPlan plan, const Pack* __restrict__ in,
-                   const float* __restrict__ in_lse, Pack* __restrict__ out, float* __restrict__ out_lse) {
-  const int block = blockIdx.x;
-  const int row_packs = s.row_packs;
-  const int per_block = plan.per_block;
-  const int lo = block * per_block;
-  const int n = lo < s.rows() ? min(per_block, s.rows() - lo) : 0;
-  // A call that cannot finish leaves NaN in its rows, never a stale result.
-  const auto fail = [&] {
-    fill_nan(out + static_cast<size_t>(lo) * row_packs, static_cast<size_t>(n) * row_packs);
-    if (out_lse != nullptr) {
-      for (int i = threadIdx.x; i < n; i += kThreads) out_lse[lo + i] = __int_as_float(-1);
-    }
-  };
-  if (channel_poisoned<CudaMem>(v)) return fail();  // a timed-out channel fails fast (C8)
-  const uint32_t epoch = next_epoch<CudaMem>(v, block);
-  const int slot = epoch & 1;
-  const DcpCell cell{per_block, row_packs};
-
-  // 1. Push to every peer p the rows of p's heads into this rank's cell on
-  //    p: remote stores are posted, so the merge below reads locally. A row
-  //    whose lse is not finite sends no payload: nobody reads it.
-  for (int p = 0; p < v.world; ++p) {
-    if (p == v.rank) continue;
-    char* base = v.staging[p] + v.layout.cell_offset(slot, v.rank, block);
-    Pack* payload = cell.payload(base);
-    float* lse = cell.lse(base);
-    for (int i = threadIdx.x; i < n; i += kThreads) lse[i] = in_lse[s.input_row(p, lo + i)];
-    for (int i = threadIdx.x; i < n * row_packs; i += kThreads) {
-      const int row = i / row_packs;
-      const size_t src = s.input_row(p, lo + row);
-      if (lse_finite(in_lse[src])) payload[i] = in[src * row_packs + (i - row * row_packs)];
-    }
+// What a call that cannot finish leaves in a block's rows [lo, lo + n):
+// NaN, never a stale result (C8).
+__device__ void fill_failed(const DcpShape& s, int lo, int n, Pack* out, float* out_lse) {
+  fill_nan(out + static_cast<size_t>(lo) * s.row_packs, static_cast<size_t>(n) * s.row_packs);
+  if (out_lse != nullptr) {
+    for (int i = threadIdx.x; i < n; i += kThreads) out_lse[lo + i] = __int_as_float(-1);
   }
+}
 
-  // 2. Meet the peers (C6); on a timeout nothing staged may be read.
-  if (!block_barrier(v, block, epoch, plan.tag(s))) return fail();
-
-  // 3. Merge, in chunks of kThreads rows: one thread per row turns the lse
-  //    of every source into weights, then every thread merges packs. Staged
-  //    cells are read through L2 (.cg): L1 is not coherent with the peers'
-  //    writes.
+// Merges the block's result rows [lo, lo + n) from every source's cell
+// (`cells[q]`, laid out as DcpCell; this rank's own rows from its input
+// where from_own_input), in chunks of kThreads rows: one thread per row
+// turns the lse of every source into weights, then every thread merges
+// packs. Cells are read through L2 (.cg): L1 is not coherent with the
+// peers' writes.
+template <DType D>
+__device__ void merge_block(const ChannelView& v, const DcpShape& s, int lo, int n, char* const* cells,
+                            const Pack* __restrict__ in, const float* __restrict__ in_lse, Pack* __restrict__ out,
+                            float* __restrict__ out_lse) {
+  const int row_packs = s.row_packs;
+  const DcpCell cell{n, row_packs};
   const Pack* payload[kMaxRanks];
   const float* lse[kMaxRanks];
 #pragma unroll
   for (int q = 0; q < kMaxRanks; ++q) {
-    char* base = q < v.world ? v.staging[v.rank] + v.layout.cell_offset(slot, q, block) : nullptr;
-    payload[q] = q < v.world ? cell.payload(base) : nullptr;
-    lse[q] = q < v.world ? cell.lse(base) : nullptr;
+    payload[q] = q < v.world ? cell.payload(cells[q]) : nullptr;
+    lse[q] = q < v.world ? cell.lse(cells[q]) : nullptr;
   }
   __shared__ float scales[kThreads][kMaxRanks];
   for (int c = 0; c < n; c += kThreads) {
@@ -88,7 +63,9 @@ __global__ void __launch_bounds__(kThreads)
       float row_lse[kMaxRanks];
 #pragma unroll
       for (int q = 0; q < kMaxRanks; ++q) {
-        if (q < v.world) row_lse[q] = q == v.rank ? in_lse[s.input_row(v.rank, lo + row)] : __ldcg(lse[q] + row);
+        if (q < v.world) {
+          row_lse[q] = from_own_input(v, q) ? in_lse[s.input_row(v.rank, lo + row)] : __ldcg(lse[q] + row);
+        }
       }
       const float merged = merge_weights(row_lse, v.world, s.base2, scales[threadIdx.x]);
       if (out_lse != nullptr) out_lse[lo + row] = merged;
@@ -105,7 +82,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int q = 0; q < kMaxRanks; ++q) {
         if (q < v.world && scales[r][q] != 0.0f) {
-          src[q] = q == v.rank ? in[own] : CudaMem::load_staged(payload[q] + staged_at);
+          src[q] = from_own_input(v, q) ? in[own] : CudaMem::load_staged(payload[q] + staged_at);
         }
       }
       float acc[Elements<D>::kCount] = {};
@@ -117,6 +94,79 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();  // the next chunk overwrites scales
   }
+}
+
+// The barrier protocol: push, meet, merge. Block b owns result rows
+// [b * per_block, (b + 1) * per_block) on every rank (same plan everywhere:
+// the shape is static) and only its own staging cells, so blocks never wait
+// on each other.
+template <DType D>
+__global__ void __launch_bounds__(kThreads)
+    dcp_a2a_kernel(ChannelView v, DcpShape s, DcpPlan plan, const Pack* __restrict__ in,
+                   const float* __restrict__ in_lse, Pack* __restrict__ out, float* __restrict__ out_lse) {
+  const int block = blockIdx.x;
+  const int row_packs = s.row_packs;
+  const int lo = block * plan.per_block;
+  const int n = lo < s.rows() ? min(plan.per_block, s.rows() - lo) : 0;
+  if (channel_poisoned<CudaMem>(v)) return fill_failed(s, lo, n, out, out_lse);  // a timed-out channel fails fast
+  const uint32_t epoch = next_epoch<CudaMem>(v, block);
+  const int slot = epoch & 1;
+  const DcpCell cell{plan.per_block, row_packs};
+
+  // 1. Push to every peer p the rows of p's heads into this rank's cell on
+  //    p: remote stores are posted, so the merge below reads locally. A row
+  //    whose lse is not finite sends no payload: nobody reads it.
+  for (int p = 0; p < v.world; ++p) {
+    if (!exchanges_with(v, p)) continue;
+    char* base = v.staging[p] + v.layout.cell_offset(slot, v.rank, block);
+    Pack* payload = cell.payload(base);
+    float* lse = cell.lse(base);
+    for (int i = threadIdx.x; i < n; i += kThreads) lse[i] = in_lse[s.input_row(p, lo + i)];
+    for (int i = threadIdx.x; i < n * row_packs; i += kThreads) {
+      const int row = i / row_packs;
+      const size_t src = s.input_row(p, lo + row);
+      if (lse_finite(in_lse[src])) payload[i] = in[src * row_packs + (i - row * row_packs)];
+    }
+  }
+
+  // 2. Meet the peers (C6); on a timeout nothing staged may be read.
+  if (!block_barrier(v, block, epoch, plan.tag(s))) return fill_failed(s, lo, n, out, out_lse);
+
+  // 3. Merge. The cells keep the barrier-protocol layout of `per_block` rows.
+  char* cells[kMaxRanks];
+#pragma unroll
+  for (int q = 0; q < kMaxRanks; ++q) cells[q] = q < v.world ? v.staging[v.rank] + v.layout.cell_offset(slot, q, block) : nullptr;
+  merge_block<D>(v, s, lo, n, cells, in, in_lse, out, out_lse);
+}
+
+// The Lamport exchange (lamport.cuh; docs/DESIGN.md, "DCP in the Lamport
+// window"): each peer gets its own cell, the rows of its heads with their
+// lse, polled by the owner word by word; no barrier, no flag. The merge
+// reads the cells of the buffer the exchange returned, which stay as they
+// are until this block's next call.
+template <DType D>
+__global__ void __launch_bounds__(kThreads)
+    dcp_a2a_lamport_kernel(ChannelView v, DcpShape s, DcpPlan plan, const Pack* __restrict__ in,
+                           const float* __restrict__ in_lse, Pack* __restrict__ out, float* __restrict__ out_lse) {
+  const int lo = blockIdx.x * plan.per_block;
+  const int n = min(plan.per_block, s.rows() - lo);  // >= 1: the plan's grid covers the rows exactly
+  const auto part = [&](int dest, size_t i) { return dcp_lamport_pack(s, in, in_lse, dest, lo, n, i); };
+  const auto push = [&](const LamportCall& c, size_t i) {
+    for (int p = 0; p < v.world; ++p) {
+      if (exchanges_with(v, p)) lamport_push_to<CudaMem>(v, c, p, i, part(p, i));
+    }
+  };
+  // The merge needs every source's lse of a row before its payload: after the exchange.
+  const auto arrived = [](size_t, const Pack*) {};
+  const int buffer = lamport_exchange_with<kThreads>(v, plan.tag(s), DcpCell{n, s.row_packs}.lamport_packs(), push,
+                                                     [&](size_t i) { return part(v.rank, i); }, arrived);
+  if (buffer < 0) return fill_failed(s, lo, n, out, out_lse);
+  char* cells[kMaxRanks];
+#pragma unroll
+  for (int q = 0; q < kMaxRanks; ++q) {
+    cells[q] = q < v.world ? v.lamport[v.rank] + v.lamport_layout.cell_offset(buffer, q, blockIdx.x) : nullptr;
+  }
+  merge_block<D>(v, s, lo, n, cells, in, in_lse, out, out_lse);
 }
 
 int want_grid(const DcpShape& s) {
@@ -138,7 +188,7 @@ ffi::Error DcpA2aCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::Any
   DcpShape s{};
   const std::string problem = dcp_call_shape(x, lse, rets.size(), return_lse, v, base2, s);
   if (!problem.empty()) return ffi::Error::InvalidArgument(problem);
-  const DcpPlan plan = plan_dcp(s, v.layout, want_grid(s));
+  const DcpPlan plan = plan_dcp_call(s, v, want_grid(s));
   if (plan.grid == 0) return ffi::Error::InvalidArgument(dcp_capacity_message(s, v.layout));
   float* out_lse = nullptr;
   if (return_lse) {
@@ -153,11 +203,10 @@ ffi::Error DcpA2aCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::Any
     cudaMemsetAsync(out, 0xFF, y->size_bytes(), stream);
     if (out_lse != nullptr) cudaMemsetAsync(out_lse, 0xFF, static_cast<size_t>(s.rows()) * sizeof(float), stream);
   }
-  if (x.element_type() == ffi::DataType::BF16) {
-    dcp_a2a_kernel<DType::kBF16><<<plan.grid, kThreads, 0, stream>>>(v, s, plan, in, in_lse, out, out_lse);
-  } else {
-    dcp_a2a_kernel<DType::kF16><<<plan.grid, kThreads, 0, stream>>>(v, s, plan, in, in_lse, out, out_lse);
-  }
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  const auto kernel = plan.lamport ? (bf16 ? dcp_a2a_lamport_kernel<DType::kBF16> : dcp_a2a_lamport_kernel<DType::kF16>)
+                                   : (bf16 ? dcp_a2a_kernel<DType::kBF16> : dcp_a2a_kernel<DType::kF16>);
+  kernel<<<plan.grid, kThreads, 0, stream>>>(v, s, plan, in, in_lse, out, out_lse);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
     return ffi::Error::Internal(std::string("b12x_jax.dcp_a2a: kernel launch failed: ") + cudaGetErrorString(err));

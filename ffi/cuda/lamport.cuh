@@ -14,25 +14,28 @@
 namespace b12x {
 
 // One Lamport call of this block (block b = blockIdx.x, every thread of the
-// block must call it) for call `tag`: push `in[0, n)` into this rank's cell
-// of every peer's buffer, hand each pack's sources in rank order (C9), this
-// rank's own input at index rank, to `reduce(i, staged)` as they arrive,
-// then refill what the previous call read and move on to the next buffer.
-// Thread 0 checks every source's header (the tag); a mismatch stops the
-// block like a timeout. Every op that uses the Lamport buffers of a channel
-// goes through here, so their calls interleave on one channel by the reuse
-// argument of lamport.h. False, with nothing counted, when the channel is
-// poisoned or a wait failed (C8: bounded, error recorded): the caller then
-// fills its outputs with NaN (also over what `reduce` wrote).
-template <int kThreads, class Reduce>
-__device__ __forceinline__ bool lamport_exchange(const ChannelView& v, const CallTag& tag,
-                                                 const Pack* __restrict__ in, size_t n, Reduce reduce) {
-  if (channel_poisoned<CudaMem>(v)) return false;
+// block must call it) for call `tag`, of `n` packs per source: `push(c, i)`
+// sends pack i to every peer (the same pack, or each peer its own), `own(i)`
+// is this rank's own pack i where a sum reads it from the input
+// (from_own_input); each pack's sources in rank order (C9) go to
+// `reduce(i, staged)` as they arrive; then it refills what the previous
+// call read and moves on to the next buffer. Thread 0 checks every source's
+// header (the tag); a mismatch stops the block like a timeout. Every op that
+// uses the Lamport buffers of a channel goes through here, so their calls
+// interleave on one channel by the reuse argument of lamport.h. Returns the
+// buffer B(k) the call read (its cells stay as they are until this block's
+// next call), or -1, with nothing counted, when the channel is poisoned or
+// a wait failed (C8: bounded, error recorded): the caller then fills its
+// outputs with NaN (also over what `reduce` wrote).
+template <int kThreads, class Push, class Own, class Reduce>
+__device__ __forceinline__ int lamport_exchange_with(const ChannelView& v, const CallTag& tag, size_t n, Push push,
+                                                     Own own, Reduce reduce) {
+  if (channel_poisoned<CudaMem>(v)) return -1;
   const LamportCall c = lamport_begin<CudaMem>(v, blockIdx.x, tag);
 
   // 1. Push this rank's part, and the call's tag, to every peer.
   if (threadIdx.x == 0) lamport_push_header<CudaMem>(v, c);
-  for (size_t i = threadIdx.x; i < n; i += kThreads) lamport_push<CudaMem>(v, c, i, in[i]);
+  for (size_t i = threadIdx.x; i < n; i += kThreads) push(c, i);
 
   // 2. Poll each source's pack until every word arrived, then reduce. One
   //    failed thread stops the block (volatile: read while others write it).
@@ -64,7 +67,7 @@ __device__ __forceinline__ bool lamport_exchange(const ChannelView& v, const Cal
     for (int q = 0; q < kMaxRanks; ++q) {
       if (q >= v.world || !ok) continue;
       if (from_own_input(v, q)) {
-        staged[q] = in[i];
+        staged[q] = own(i);
         continue;
       }
       ok = await(q, [&] {
@@ -75,13 +78,22 @@ __device__ __forceinline__ bool lamport_exchange(const ChannelView& v, const Cal
     reduce(i, staged);
   }
   __syncthreads();
-  if (failed) return false;
+  if (failed) return -1;
 
   // 3. Refill the cells this block read in its previous call, then advance.
   for (size_t i = threadIdx.x; i < lamport_refill_packs(c); i += kThreads) lamport_refill<CudaMem>(v, c, i);
   __syncthreads();
   if (threadIdx.x == 0) lamport_advance<CudaMem>(v, c, static_cast<uint32_t>(n));
-  return true;
+  return c.buffer;
+}
+
+// The exchange of a sum: every peer gets this rank's `in[0, n)`. True
+// where lamport_exchange_with returns a buffer.
+template <int kThreads, class Reduce>
+__device__ __forceinline__ bool lamport_exchange(const ChannelView& v, const CallTag& tag,
+                                                 const Pack* __restrict__ in, size_t n, Reduce reduce) {
+  const auto push = [&](const LamportCall& c, size_t i) { lamport_push<CudaMem>(v, c, i, in[i]); };
+  return lamport_exchange_with<kThreads>(v, tag, n, push, [&](size_t i) { return in[i]; }, reduce) >= 0;
 }
 
 }  // namespace b12x
