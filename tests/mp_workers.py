@@ -249,7 +249,8 @@ def residual_rmsnorm_mode(args) -> dict:
   hashes, kernels = {}, {}
   with b12x_jax.channel("mp_fused"):
     for dtype_name in DTYPES:
-      for rows, hidden in [(1, 4096), (8, 1024), (5, 2048)]:  # inside the Lamport cells of 64 blocks
+      # Inside the Lamport cells of 64 blocks; 7 rows of 128: rows narrower than the Triton kernel's threads.
+      for rows, hidden in [(1, 4096), (8, 1024), (5, 2048), (7, 128)]:
         decided = len(comm.decisions)
         shards, residual, weight = residual_rmsnorm_inputs(rng, jax.device_count(), rows, hidden, dtype_name)
         x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), shards[me:me + 1])
@@ -794,6 +795,70 @@ def triton_mode(args) -> dict:
   return {"hashes": hashes, "epoch": comm.stats("wrap", jax.local_devices()[0])["epoch"]}
 
 
+def loops_mode(args) -> dict:
+  """Calls from inside a jax.lax.fori_loop on two channels, as a decode
+  loop makes them (the rig tests' other modes run straight-line programs):
+  each of 8 iterations an all_reduce of bfloat16 [1, 2, 128] and the fused
+  op on 7 rows of 128 on "target", an all_reduce of 8 float32 (32 bytes) on
+  "draft", with ``poison_outputs`` as --communicator says. The inputs are
+  integers in [-2, 2], so every sum is exact in bfloat16 up to 8 ranks: the results summed
+  over the iterations must equal float64 (the normed output within
+  rounding). Returns the kernel kinds and the channels' epochs."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  comm = _communicator(args)
+  b12x_jax.set_communicator(comm)
+  mesh = _mesh()
+  n, me, iterations = jax.device_count(), jax.process_index(), 8
+
+  def body(x, y, residual, weight):
+    def step(i, carry):
+      sums, residuals, normed, small = carry
+      scale = (i + 1).astype(jnp.float32)
+      with b12x_jax.channel("target"):
+        total = b12x_jax.all_reduce((x.astype(jnp.float32) * scale).astype(jnp.bfloat16), "x")
+        out, new_residual = b12x_jax.all_reduce_residual_rmsnorm(
+            (y.astype(jnp.float32) * scale).astype(jnp.bfloat16), residual, weight, "x")
+      with b12x_jax.channel("draft"):
+        small = small + b12x_jax.all_reduce(x[0, 0, :8].astype(jnp.float32) * scale, "x")
+      return (sums + total.astype(jnp.float32), residuals + new_residual.astype(jnp.float32),
+              normed + out.astype(jnp.float32), small)
+    zeros = (jnp.zeros((1, 2, 128), jnp.float32), jnp.zeros((7, 128), jnp.float32), jnp.zeros((7, 128), jnp.float32),
+             jnp.zeros((8,), jnp.float32))
+    return jax.lax.fori_loop(0, iterations, step, zeros)
+
+  fn = jax.jit(jax.shard_map(lambda x, y, r, w: body(x[0], y[0], r, w), mesh=mesh,
+                             in_specs=(P("x"), P("x"), P(), P()), out_specs=P(), check_vma=False))
+  rng = np.random.default_rng(3)  # the same inputs in every process
+  xs = rng.integers(-2, 3, (n, 1, 2, 128)).astype(np.float32)
+  ys = rng.integers(-2, 3, (n, 7, 128)).astype(np.float32)
+  residual = rng.integers(-2, 3, (7, 128)).astype(np.float32)
+  weight = (1 + 0.1 * rng.standard_normal(128)).astype(jnp.bfloat16)
+  local = lambda a, spec: jax.make_array_from_process_local_data(NamedSharding(mesh, spec), a)  # noqa: E731
+  out = fn(local(xs[me:me + 1].astype(jnp.bfloat16), P("x")), local(ys[me:me + 1].astype(jnp.bfloat16), P("x")),
+           local(residual.astype(jnp.bfloat16), P()), local(weight, P()))
+  sums, residuals, normed, small = (np.asarray(o.addressable_shards[0].data, np.float64) for o in out)
+  scales = np.arange(1, iterations + 1, dtype=np.float64)
+  assert np.array_equal(sums, scales.sum() * xs.sum(0)), np.abs(sums - scales.sum() * xs.sum(0)).max()
+  assert np.array_equal(small, scales.sum() * xs.sum(0)[0, 0, :8])
+  want_normed = np.zeros((7, 128))
+  want_residuals = np.zeros((7, 128))
+  for s in scales:
+    r = s * ys.sum(0) + residual
+    want_residuals += r
+    want_normed += r / np.sqrt(np.mean(r * r, -1, keepdims=True) + 1e-6) * weight.astype(np.float64)
+  assert np.array_equal(residuals, want_residuals), np.abs(residuals - want_residuals).max()
+  assert np.allclose(normed, want_normed, rtol=2e-2, atol=iterations * 2e-2), np.abs(normed - want_normed).max()
+  b12x_jax.check_errors()
+  kinds = sorted({f"{d.op} {d.kernel}" for d in comm.decisions if d.path == "b12x"})
+  return {"kinds": kinds, "epochs": [comm.stats(ch, jax.local_devices()[0])["epoch"] for ch in ("target", "draft")]}
+
+
 def same_program_mode(args) -> dict:
   """Lowers for CUDA (on CPU: the channels are CPU groups, the addresses
   theirs) a program of two channels with Triton and FFI calls, and returns
@@ -832,7 +897,7 @@ def same_program_mode(args) -> dict:
           "rows_filled": [[bool(row.any()) for row in table] for table in tables]}
 
 
-MODES = {"same_program": same_program_mode, "drop_in": drop_in_mode, "all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
+MODES = {"loops": loops_mode, "same_program": same_program_mode, "drop_in": drop_in_mode, "all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
          "never_joins": never_joins_mode, "close_twice": close_twice_mode, "throwaway": throwaway_mode,
          "exit_pending": exit_pending_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,
          "residual_rmsnorm": residual_rmsnorm_mode, "never_calls": never_calls_mode, "reprepare": reprepare_mode,

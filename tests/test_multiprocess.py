@@ -43,7 +43,7 @@ def test_all_reduce_across_processes_under_each_algorithm_matches_float64(multip
 
 def test_the_fused_op_across_processes_matches_float64_with_identical_bits(multiprocess):
   results = multiprocess("residual_rmsnorm", 2, "--communicator", json.dumps({"poison_outputs": True}))
-  assert results[0]["hashes"] == results[1]["hashes"] and len(results[0]["hashes"]) == 9
+  assert results[0]["hashes"] == results[1]["hashes"] and len(results[0]["hashes"]) == 12
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "dcp_a2a"])
@@ -270,5 +270,18 @@ def test_every_process_lowers_one_program_with_every_devices_triton_addresses(mu
 
 def test_the_fused_op_is_right_across_the_counter_wrap_between_processes(multiprocess):
   results = multiprocess("residual_rmsnorm", 2, "--wrap", "--communicator", json.dumps({"poison_outputs": True}))
-  assert results[0]["hashes"] == results[1]["hashes"] and len(results[0]["hashes"]) == 9, results
-  assert {r["epoch"] for r in results} == {(2 * (2**32 - 5) + 9) % 2**32}, results  # both counters wrapped
+  assert results[0]["hashes"] == results[1]["hashes"] and len(results[0]["hashes"]) == 12, results
+  assert {r["epoch"] for r in results} == {(2 * (2**32 - 5) + 12) % 2**32}, results  # both counters wrapped
+
+
+def check_loops(results: list[dict], kinds: list[str]) -> None:
+  """loops mode's results: every process checked its sums and ran 8
+  iterations of two calls on "target" and one on "draft", of ``kinds``."""
+  for r in results:
+    assert r["epochs"] == [16, 8] and r["kinds"] == kinds, r
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_calls_inside_a_loop_on_two_channels_match_float64_across_processes(multiprocess, poison):
+  results = multiprocess("loops", 2, "--communicator", json.dumps({"poison_outputs": poison}))
+  check_loops(results, ["all_reduce ffi", "all_reduce_residual_rmsnorm ffi"])

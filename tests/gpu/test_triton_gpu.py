@@ -22,7 +22,7 @@ import b12x_jax
 from conftest import gpu_count
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 1, reason="needs a GPU")]
-SIZES = [16, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20]
+SIZES = [16, 32, 256, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20]
 
 
 def _mesh():
@@ -122,7 +122,8 @@ def test_the_fused_kernel_matches_float64_and_rounds_the_residual_once(dtype_nam
   mesh = _mesh()
   rng = np.random.default_rng(15)
   fn = residual_rmsnorm_fn(mesh)
-  cases = {"bfloat16": [(1, 4096), (4, 8192), (8, 1024), (64, 4096)], "float32": [(1, 4096), (8, 2048), (32, 4096)]}
+  cases = {"bfloat16": [(1, 4096), (4, 8192), (8, 1024), (64, 4096), (7, 128)],
+           "float32": [(1, 4096), (8, 2048), (32, 4096), (7, 128)]}
   cases = cases[dtype_name]
   with fresh_communicator(loopback=True, kernels="triton", poison_outputs=True) as comm, b12x_jax.channel("fused"):
     for rows, hidden in cases:
