@@ -69,30 +69,38 @@ void merge_rows(const ChannelView& v, const DcpShape& s, const char* const* cell
 using Merger = void (*)(const ChannelView&, const DcpShape&, const char* const*, const Pack*, const float*, Pack*,
                         float*);
 
+// What both protocols' calls hold: the shape, the buffers and the merge.
+struct DcpArgs {
+  DcpShape s;
+  Merger merge;
+  const Pack* in;
+  const float* in_lse;
+  Pack* out;
+  float* out_lse;
+
+  // Merges from the cells of slot (or buffer) `slot` of `region`, laid out as `layout`.
+  void merge_from(const ChannelView& v, const char* region, const StagingLayout& layout, int slot) const {
+    const char* cells[kMaxRanks] = {};
+    for (int q = 0; q < v.world; ++q) cells[q] = region + layout.cell_offset(slot, q, 0);
+    merge(v, s, cells, in, in_lse, out, out_lse);
+  }
+};
+
 // One barrier: stage the rows, meet, merge.
 class DcpCall final : public BarrierCall {
  public:
-  DcpCall(RankHandle handle, ffi::Promise promise, const DcpShape& s, Merger merge, const Pack* in,
-          const float* in_lse, Pack* out, float* out_lse)
-      : BarrierCall(handle, std::move(promise), plan_dcp(s, handle.view().layout, 1).tag(s), 1), s_(s),
-        merge_(merge), in_(in), in_lse_(in_lse), out_(out), out_lse_(out_lse) {}
+  DcpCall(RankHandle handle, ffi::Promise promise, const DcpArgs& a)
+      : BarrierCall(handle, std::move(promise), plan_dcp(a.s, handle.view().layout, 1).tag(a.s), 1), a_(a) {}
 
  private:
   void stage(const ChannelView& v, uint32_t epoch, int /*phase*/) override {
-    stage_rows(v, s_, epoch & 1, in_, in_lse_);
+    stage_rows(v, a_.s, epoch & 1, a_.in, a_.in_lse);
   }
   void done(const ChannelView& v, uint32_t epoch) override {
-    const char* cells[kMaxRanks] = {};
-    for (int q = 0; q < v.world; ++q) cells[q] = v.staging[v.rank] + v.layout.cell_offset(epoch & 1, q, 0);
-    merge_(v, s_, cells, in_, in_lse_, out_, out_lse_);
+    a_.merge_from(v, v.staging[v.rank], v.layout, epoch & 1);
   }
 
-  DcpShape s_;
-  Merger merge_;
-  const Pack* in_;
-  const float* in_lse_;
-  Pack* out_;
-  float* out_lse_;
+  DcpArgs a_;
 };
 
 // The Lamport exchange of the rows (plan_dcp_lamport: one block, all rows):
@@ -100,31 +108,23 @@ class DcpCall final : public BarrierCall {
 // once every word arrived.
 class LamportDcpCall final : public LamportHostCall {
  public:
-  LamportDcpCall(RankHandle handle, ffi::Promise promise, const DcpShape& s, Merger merge, const Pack* in,
-                 const float* in_lse, Pack* out, float* out_lse)
-      : LamportHostCall(handle, std::move(promise), plan_dcp_lamport(s, handle.view().lamport_layout).tag(s), nullptr,
-                        DcpCell{s.rows(), s.row_packs}.lamport_packs()),
-        s_(s), merge_(merge), in_(in), in_lse_(in_lse), out_(out), out_lse_(out_lse) {}
+  LamportDcpCall(RankHandle handle, ffi::Promise promise, const DcpArgs& a)
+      : LamportHostCall(handle, std::move(promise), plan_dcp_lamport(a.s, handle.view().lamport_layout).tag(a.s),
+                        nullptr, DcpCell{a.s.rows(), a.s.row_packs}.lamport_packs()),
+        a_(a) {}
 
   void finish(const ChannelView& v) override {
     LamportHostCall::finish(v);
-    const char* cells[kMaxRanks] = {};
-    for (int q = 0; q < v.world; ++q) cells[q] = v.lamport[v.rank] + v.lamport_layout.cell_offset(call().buffer, q, 0);
-    merge_(v, s_, cells, in_, in_lse_, out_, out_lse_);
+    a_.merge_from(v, v.lamport[v.rank], v.lamport_layout, call().buffer);
   }
 
  private:
   Pack part(const ChannelView& /*v*/, int dest, size_t i) const override {
-    return dcp_lamport_pack(s_, in_, in_lse_, dest, 0, s_.rows(), i);
+    return dcp_lamport_pack(a_.s, a_.in, a_.in_lse, dest, 0, a_.s.rows(), i);
   }
   void reduce(const ChannelView&, size_t, const Pack*) override {}  // the merge needs whole rows: finish
 
-  DcpShape s_;
-  Merger merge_;
-  const Pack* in_;
-  const float* in_lse_;
-  Pack* out_;
-  float* out_lse_;
+  DcpArgs a_;
 };
 
 // Empty when the call can run; else why not. Fills `shape` and `out_lse`.
@@ -164,10 +164,11 @@ ffi::Future DcpA2aHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::AnyBu
   const auto* in_lse = static_cast<const float*>(lse.untyped_data());
   auto* out = static_cast<Pack*>(y->untyped_data());
   if (handle.group->options().poison_outputs) std::memset(out, 0xFF, y->size_bytes());  // NaN everywhere
+  const DcpArgs args{s, merge, in, in_lse, out, out_lse};
   if (plan_dcp_call(s, handle.view(), 1).lamport) {
-    submit_host_call(std::make_unique<LamportDcpCall>(handle, promise, s, merge, in, in_lse, out, out_lse));
+    submit_host_call(std::make_unique<LamportDcpCall>(handle, promise, args));
   } else {
-    submit_host_call(std::make_unique<DcpCall>(handle, promise, s, merge, in, in_lse, out, out_lse));
+    submit_host_call(std::make_unique<DcpCall>(handle, promise, args));
   }
   return future;
 }
