@@ -158,9 +158,9 @@ NB_MODULE(_b12x, m) {
      "Bytes of one Lamport cell of a channel prepared with `options` and `blocks` blocks (0: no Lamport path).");
 
   m.def("dcp_lamport_plan", [](size_t cell_bytes, int max_blocks, int batch, int heads, int world, size_t row_bytes) {
-    if (max_blocks < 1 || max_blocks > kMaxBlocks || world < 1 || world > kMaxRanks || heads % world != 0 ||
-        row_bytes % kPackBytes != 0) {
-      throw std::invalid_argument("b12x_jax: dcp_lamport_plan: bad layout or shape");
+    if (max_blocks < 1 || max_blocks > kMaxBlocks) throw std::invalid_argument("b12x_jax: blocks must be in [1, 64]");
+    if (world < 1 || world > kMaxRanks || heads % world != 0 || row_bytes % kPackBytes != 0) {
+      return nb::make_tuple(0, 0, nb::make_tuple(0, 0, 0, 0));  // no channel serves the call
     }
     const StagingLayout cells{cell_bytes, world, max_blocks, kLamportBuffers};
     const DcpShape shape{batch, heads, world, static_cast<int>(row_bytes / kPackBytes), false};
@@ -170,7 +170,8 @@ NB_MODULE(_b12x, m) {
   }, nb::arg("cell_bytes"), nb::arg("max_blocks"), nb::arg("batch"), nb::arg("heads"), nb::arg("world"),
      nb::arg("row_bytes"),
      "(grid, rows per block, tag) of a dcp_a2a call of out [batch, heads, row_bytes] in the Lamport cells of "
-     "`cell_bytes` of `max_blocks` blocks (ffi/dcp.h plan_dcp_lamport); grid 0 where the rows do not fit.");
+     "`cell_bytes` of `max_blocks` blocks (ffi/dcp.h plan_dcp_lamport); grid 0 where the rows do not fit or no "
+     "channel serves the call (more than 8 ranks, heads not a multiple of them, rows not of whole packs).");
 
   m.def("prepare_host", [](const std::string& channel, const std::string& partition, std::vector<int> ordinals,
                            const ChannelOptions& options) {

@@ -58,6 +58,15 @@ struct DcpCell {
   }
 };
 
+// The algorithm word of a dcp_a2a tag: the protocol in bits 0-1 (0: the
+// barrier, Algorithm::kLamport), H in bits 2-16, D's packs in bits 17-30
+// (masked: never the Lamport empty word 0xFFFFFFFF).
+B12X_HD uint32_t dcp_tag_algorithm(bool lamport, int heads, int row_packs) {
+  const uint32_t protocol = lamport ? static_cast<uint32_t>(Algorithm::kLamport) : 0u;
+  return protocol | (static_cast<uint32_t>(heads) & 0x7FFFu) << 2 | (static_cast<uint32_t>(row_packs) & 0x3FFFu) << 17;
+}
+B12X_HD bool dcp_tag_lamport(uint32_t algorithm) { return (algorithm & 3u) == static_cast<uint32_t>(Algorithm::kLamport); }
+
 // How a call spreads its rows over blocks: block b owns rows
 // [b * per_block, min((b + 1) * per_block, rows)) on every rank, and stages
 // them in its own cell (channel.h: the reuse argument holds block by block).
@@ -66,12 +75,13 @@ struct DcpPlan {
   int per_block;
   bool lamport;   // the Lamport exchange (lamport.h) on the Lamport cells, else the barrier protocol
 
-  // The call's tag (channel.h): the input [B, H, D] in packs.
+  // The call's tag (channel.h): the input [B, H, D] in packs; the algorithm
+  // word also carries H and D's packs (dcp_tag_algorithm), so calls of one
+  // size and grid but other rows never pass for each other.
   B12X_HD CallTag tag(const DcpShape& s) const {
     const size_t packs = static_cast<size_t>(s.batch) * s.heads * s.row_packs;
-    const uint32_t algorithm = lamport ? static_cast<uint32_t>(Algorithm::kLamport) : 0u;
-    return CallTag{static_cast<uint32_t>(Op::kDcpA2a), algorithm, static_cast<uint32_t>(packs),
-                   static_cast<uint32_t>(grid)};
+    return CallTag{static_cast<uint32_t>(Op::kDcpA2a), dcp_tag_algorithm(lamport, s.heads, s.row_packs),
+                   static_cast<uint32_t>(packs), static_cast<uint32_t>(grid)};
   }
 };
 

@@ -258,9 +258,17 @@ def test_dcp_a2a_lowers_to_its_triton_kernel_for_cuda_and_float16_to_ffi(cpu_mes
     ((128, 8, 128, 2), 64, 16384, (64, 8)),   # B above the blocks: two batch rows per block
     ((1, 2, 16384, 2), 64, 16384, (0, 0)),    # a 16 KiB row and its lse overflow a cell: the barrier protocol
     ((2, 8, 128, 2), 64, 0, (0, 0)),          # no Lamport window
+    ((2, 16, 128, 16), 64, 16384, (0, 0)),    # more ranks than a channel has
 ])
 def test_the_dcp_lamport_plan(shape, blocks, cell, plan):
   batch, heads, row_bytes, world = shape
   grid, per_block, tag = _native.dcp_lamport_plan(cell, blocks, batch, heads, world, row_bytes)
   assert (grid, per_block) == plan
-  assert tag == (3, 3, batch * heads * row_bytes // 16, grid)  # dcp_a2a, lamport, the input's packs, the grid
+  if grid:  # dcp_a2a; lamport, H and D's packs; the input's packs; the grid
+    assert tag == (3, 3 | heads << 2 | row_bytes // 16 << 17, batch * heads * row_bytes // 16, grid)
+
+
+def test_dcp_calls_of_one_size_and_grid_but_other_rows_have_other_tags():
+  # [1, 32, 512 B] and [2, 16, 512 B] over 2 ranks: 8-row blocks, 2 of them, 1024 packs each.
+  one, two = (_native.dcp_lamport_plan(16384, 64, batch, heads, 2, 512) for batch, heads in ((1, 32), (2, 16)))
+  assert one[:2] == two[:2] == (2, 8) and one[2][2] == two[2][2] and one[2] != two[2]

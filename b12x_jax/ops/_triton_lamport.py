@@ -462,8 +462,12 @@ def _exchange(plan: Plan, table_ref, parts):
              for q in sources]
     headers = [load(own_lamport, header_offset(buffer, q, header_lanes), jnp.broadcast_to(it, (4,)), (4,))
                for q in sources]
-    pending = [jnp.logical_and(exchanges_with(q), functools.reduce(jnp.logical_or, [any_(c == empty) for c in cell]
-                                                                   + [any_(h == plan.empty_word)]))
+    # The pad words too: every word refilled later must have arrived (none lands after the refill).
+    pads = [jnp.logical_and(header_lanes < tail,
+                            load(own_lamport, cell_offset(buffer, q) + 4 * (words_total + header_lanes),
+                                 jnp.broadcast_to(it, (4,)), (4,)) == empty) for q in sources] if tail else []
+    pending = [jnp.logical_and(exchanges_with(q), functools.reduce(
+        jnp.logical_or, [any_(c == empty) for c in cell] + [any_(h == plan.empty_word)] + ([any_(pads[q])] if tail else [])))
                for q, cell, h in zip(sources, cells, headers)]
     return cells, headers, pending
 

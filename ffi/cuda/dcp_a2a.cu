@@ -37,17 +37,17 @@ __device__ void fill_failed(const DcpShape& s, int lo, int n, Pack* out, float* 
 }
 
 // Merges the block's result rows [lo, lo + n) from every source's cell
-// (`cells[q]`, laid out as DcpCell; this rank's own rows from its input
-// where from_own_input), in chunks of kThreads rows: one thread per row
-// turns the lse of every source into weights, then every thread merges
-// packs. Cells are read through L2 (.cg): L1 is not coherent with the
-// peers' writes.
+// (`cells[q]`, laid out as `cell`, whose rows may be more than n: the
+// barrier protocol's cells hold per_block rows also in a last, shorter
+// block; this rank's own rows from its input where from_own_input), in
+// chunks of kThreads rows: one thread per row turns the lse of every source
+// into weights, then every thread merges packs. Cells are read through L2
+// (.cg): L1 is not coherent with the peers' writes.
 template <DType D>
-__device__ void merge_block(const ChannelView& v, const DcpShape& s, int lo, int n, char* const* cells,
-                            const Pack* __restrict__ in, const float* __restrict__ in_lse, Pack* __restrict__ out,
-                            float* __restrict__ out_lse) {
+__device__ void merge_block(const ChannelView& v, const DcpShape& s, int lo, int n, const DcpCell& cell,
+                            char* const* cells, const Pack* __restrict__ in, const float* __restrict__ in_lse,
+                            Pack* __restrict__ out, float* __restrict__ out_lse) {
   const int row_packs = s.row_packs;
-  const DcpCell cell{n, row_packs};
   const Pack* payload[kMaxRanks];
   const float* lse[kMaxRanks];
 #pragma unroll
@@ -132,11 +132,11 @@ __global__ void __launch_bounds__(kThreads)
   // 2. Meet the peers (C6); on a timeout nothing staged may be read.
   if (!block_barrier(v, block, epoch, plan.tag(s))) return fill_failed(s, lo, n, out, out_lse);
 
-  // 3. Merge. The cells keep the barrier-protocol layout of `per_block` rows.
+  // 3. Merge, from cells laid out for `per_block` rows (the pushes' `cell`).
   char* cells[kMaxRanks];
 #pragma unroll
   for (int q = 0; q < kMaxRanks; ++q) cells[q] = q < v.world ? v.staging[v.rank] + v.layout.cell_offset(slot, q, block) : nullptr;
-  merge_block<D>(v, s, lo, n, cells, in, in_lse, out, out_lse);
+  merge_block<D>(v, s, lo, n, cell, cells, in, in_lse, out, out_lse);
 }
 
 // The Lamport exchange (lamport.cuh; docs/DESIGN.md, "DCP in the Lamport
@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int q = 0; q < kMaxRanks; ++q) {
     cells[q] = q < v.world ? v.lamport[v.rank] + v.lamport_layout.cell_offset(buffer, q, blockIdx.x) : nullptr;
   }
-  merge_block<D>(v, s, lo, n, cells, in, in_lse, out, out_lse);
+  merge_block<D>(v, s, lo, n, DcpCell{n, s.row_packs}, cells, in, in_lse, out, out_lse);  // dcp_lamport_pack's layout
 }
 
 int want_grid(const DcpShape& s) {
