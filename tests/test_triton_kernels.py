@@ -144,6 +144,12 @@ def test_the_cuda_lowering_chains_triton_and_ffi_calls_on_one_token(cpu_mesh, mo
   results = [result for _, _, result, _ in calls]
   assert _depends(text, results[1], results[0]) and _depends(text, results[2], results[1])
   assert not _depends(text, results[0], results[1])
+  # Each kernel's address row comes out of a barrier, never straight from its slice of the table.
+  defined = {m.group(1): m.group(2) for m in re.finditer(r"\s*(%[\w]+)(?::\d+)? = (.*)", text)}
+  for kind, _, _, line in calls:
+    if kind != "b12x_all_reduce":
+      row = re.search(r"@__gpu\$xla\.gpu\.triton\((%[\w]+)(#\d+)?", line).group(1)
+      assert defined[row].startswith("stablehlo.optimization_barrier"), defined[row]
 
 
 def test_each_device_gets_its_own_addresses_and_the_generation_of_its_preparation(cpu_mesh):

@@ -188,7 +188,10 @@ def triton_lowering(ctx, op: str, channel: str, groups, platform: str, params: d
 
   def call(*args):
     row = jnp.asarray(table)[jax.lax.axis_index(names)] if table.shape[0] > 1 else jnp.asarray(table[0])
-    return kernel(row, *args)
+    # The row leaves a barrier of its own, as the other operands do (_lowering):
+    # XLA:GPU's dynamic-slice fusion may otherwise fold its slice of the table
+    # into the custom call, with an offset computed by XLA instead of this one.
+    return kernel(jax.lax.optimization_barrier(row), *args)
 
   return mlir.lower_fun(call, multiple_results=True)
 
