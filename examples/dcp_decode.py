@@ -95,8 +95,12 @@ def own_heads(out, lse):
           jax.lax.dynamic_slice_in_dim(lse, start, shard, axis=1))
 
 
-MERGES = {"b12x": lambda out, lse: b12x_jax.dcp_a2a(out, lse, AXIS, return_lse=True),
-          "all_to_all": merge_all_to_all, "none": own_heads}
+def merge_b12x(out, lse):
+  return b12x_jax.dcp_a2a(out, lse, AXIS, return_lse=True)
+
+
+# "b12x-triton": b12x's merge under a Communicator(kernels="triton") (GPUs only).
+MERGES = {"b12x": merge_b12x, "b12x-triton": merge_b12x, "all_to_all": merge_all_to_all, "none": own_heads}
 
 
 def decode(q, k_new, v_new, k_cache, v_cache, lengths, merge):
@@ -223,15 +227,20 @@ def main() -> None:
   want_out, want_lse = reference(q, k_new, v_new, k_cache, v_cache, lengths)
 
   # jax.lax.all_to_all (NCCL) cannot run between processes that share one GPU.
-  merges = [m for m in MERGES if not (args.shared_gpu and m == "all_to_all")]
+  merges = [m for m in MERGES if not (args.shared_gpu and m == "all_to_all")
+            and not (devices[0].platform != "gpu" and m == "b12x-triton")]  # Pallas Triton has no CPU path
   progress = _runner.Progress(len(merges) * (1 + args.repeats))
   seconds = {}
   for merge in merges:
+    if merge == "b12x-triton":  # a Communicator of its own: the channels of the first are released
+      b12x_jax.get_communicator().close()
+      b12x_jax.set_communicator(b12x_jax.Communicator(kernels="triton"))
     cache = [global_array(x, by_position) for x in (k_cache, v_cache)]  # donated: a fresh copy per merge
     out, lse, seconds[merge] = run(mesh, merge, steps_in, *cache, lengths_in, progress)
-    if merge == "b12x":
+    if merge.startswith("b12x"):
       decision = [d for d in b12x_jax.get_communicator().decisions if d.op == "dcp_a2a"][-1]
-      print(f"dcp_a2a path: {decision.path} ({decision.reason})")
+      label = "" if merge == "b12x" else f" of {merge}"
+      print(f"dcp_a2a path{label}: {decision.path}, the {decision.kernel} kernel ({decision.reason})")
     if merge == "none":
       continue  # each rank's own partials: not the attention
     out_err, lse_err = relative_error(out, want_out), relative_error(lse, want_lse)
