@@ -1,15 +1,16 @@
-"""all_reduce in the Lamport window and the fused all_reduce + residual +
-RMSNorm as Pallas Triton kernels: XLA compiles and launches them itself, as
-it does a fusion, with no FFI call per op (docs/DESIGN.md, "Triton
-kernels").
+"""all_reduce in the Lamport window, the fused all_reduce + residual +
+RMSNorm and dcp_a2a in the Lamport window as Pallas Triton kernels: XLA
+compiles and launches them itself, as it does a fusion, with no FFI call per
+op (docs/DESIGN.md, "Triton kernels", "DCP in the Lamport window").
 
 The kernels speak the wire protocol of ffi/lamport.h word for word, on the
 channel's own memory: the same cells, headers and empty word, the same call
 tags, the same Signal words (buffer index, call count, packs, served,
 poison), the same plans (all_reduce: grid and packs per block of
 ffi/all_reduce.h plan_for; the fused op: a block per row, as ffi/rmsnorm.h
-plan_rows while rows fit the blocks), the same sum in rank order. So Triton
-and FFI calls interleave on one channel in program order. The native layer
+plan_rows while rows fit the blocks; dcp_a2a: ffi/dcp.h plan_dcp_lamport),
+the same sum in rank order. So Triton and FFI calls interleave on one
+channel in program order. The native layer
 keeps owning the memory; it hands out the addresses
 (``_native.kernel_view``), which the lowering bakes in as constants, one
 row per device (with that device's wait bounds), picked by the device's
