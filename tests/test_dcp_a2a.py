@@ -267,3 +267,19 @@ def test_a_peer_that_never_joins_a_merge_times_out_with_names():
   for message in result["messages"]:
     assert re.search(r"channel 'lonely' rank 0 timed out after 1 s at epoch 1 waiting for rank 1", message), message
   assert result["seconds"] < 30
+
+
+@pytest.mark.parametrize("lamport_bytes, how", [(1 << 20, "lamport, "), (0, "")], ids=["lamport", "barrier"])
+def test_ranks_at_merges_of_other_heads_raise_a_clear_error(lamport_bytes, how):
+  # Rank 0 merges out [1, 32, 256] and rank 1 [2, 16, 256] on one channel: one size, one block, other
+  # heads. The call tag tells them apart: both stop with an error naming both calls, never a merge of
+  # mixed rows, never a hang.
+  result = run_worker("mismatch", "--platform", "cpu", "--timeout", "5.0", "--op", "dcp_a2a",
+                      "--lamport-bytes", str(lamport_bytes), hard_timeout=120)
+  assert result["finite"] is None and result["seconds"] < 5, result  # on CPU the call itself raises, at once
+  calls = {0: f"dcp_a2a of 16384 bytes \\(32 heads of 512 bytes, {how}grid 1\\)",
+           1: f"dcp_a2a of 16384 bytes \\(16 heads of 512 bytes, {how}grid 1\\)"}
+  for rank, peer in ((0, 1), (1, 0)):
+    pattern = (f"channel 'mismatch' rank {rank} expected {calls[rank]} at epoch 1 but rank {peer} was at "
+               f"{calls[peer]}: the ranks run different calls on one channel")
+    assert any(re.search(pattern, m) for m in result["messages"]), (pattern, result["messages"])

@@ -239,9 +239,12 @@ def cross_mode(args) -> dict:
 
 def mismatch_mode(args) -> dict:
   """Rank 0 runs an all_reduce of 64 floats, rank 1 one of 128 floats, on
-  one channel (a lax.cond on the rank): each must stop with the error that
-  names both calls, within the timeout, never return a number. Returns the
-  messages (the call's, then check_errors' of every rank)."""
+  one channel (a lax.cond on the rank); with --op dcp_a2a, rank 0 a merge of
+  out [1, 32, 256] and rank 1 one of [2, 16, 256], bfloat16: of one size, in
+  one block of the host channel, told apart by their heads only. Each must
+  stop with the error that names both calls, within the timeout, never
+  return a number. Returns the messages (the call's, then check_errors' of
+  every rank)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -259,9 +262,22 @@ def mismatch_mode(args) -> dict:
   def body(x):
     return jax.lax.cond(jax.lax.axis_index("x") == 0, small, lambda v: b12x_jax.all_reduce(v, "x"), x)
 
-  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
-  x = jax.device_put(np.random.default_rng(args.seed).standard_normal(2 * 128).astype(np.float32),
-                     NamedSharding(mesh, P("x")))
+  def merge(out, lse):  # [1, 16, 256] or [2, 8, 256]: as [16, 256] either way
+    return b12x_jax.dcp_a2a(out, lse, "x").reshape(16, 256)
+
+  def dcp_body(x):
+    out = x.reshape(2, 32, 256).astype(jnp.bfloat16)
+    lse = x[:64].reshape(2, 32)
+    return jax.lax.cond(jax.lax.axis_index("x") == 0, lambda: merge(out[:1], lse[:1]),
+                        lambda: merge(out[:, :16], lse[:, :16])).astype(jnp.float32).reshape(-1)
+
+  rng = np.random.default_rng(args.seed)
+  if args.op == "dcp_a2a":
+    fn = jax.jit(jax.shard_map(dcp_body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+    x = jax.device_put(rng.standard_normal(2 * 2 * 32 * 256).astype(np.float32), NamedSharding(mesh, P("x")))
+  else:
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+    x = jax.device_put(rng.standard_normal(2 * 128).astype(np.float32), NamedSharding(mesh, P("x")))
   messages, finite = [], None
   start = time.monotonic()
   with b12x_jax.channel("mismatch"):
