@@ -146,39 +146,24 @@ def rows_plan(plan: Plan, rows: int, row_bytes: int, tag_op: int) -> Plan | str:
                              tag=(tag_op, _ALGORITHM_LAMPORT, rows * row_words // 4, rows))
 
 
-def dcp_problem(dtype, batch: int, heads: int, world: int, row_bytes: int, cell_bytes: int,
-                max_blocks: int) -> str | None:
-  """Why the Triton kernel cannot take a dcp_a2a call of out [batch, heads,
-  row_bytes] over ``world`` ranks on Lamport cells of ``cell_bytes`` in
-  ``max_blocks`` blocks, or None. It runs the plan of the FFI kernel
-  (ffi/dcp.h plan_dcp_lamport) where a block's rows are a power of two of
-  one batch row's heads, as tiles. Checked at trace time and by call_for."""
-  from b12x_jax import _native
-
+def dcp_problem(dtype, heads: int, world: int, row_bytes: int, grid: int, per_block: int) -> str | None:
+  """Why the Triton kernel cannot take a dcp_a2a call of out [B, heads,
+  row_bytes] over ``world`` ranks that ffi/dcp.h plan_dcp_lamport plans as
+  ``grid`` blocks of ``per_block`` rows (``_native.dcp_lamport_plan``), or
+  None: it runs that plan where a block's rows are a power of two of one
+  batch row's heads, as tiles. Checked at trace time and by call_for."""
   if np.dtype(dtype).name != "bfloat16":
     return f"no Triton kernel for dcp_a2a of dtype {np.dtype(dtype).name} (bfloat16 only)"
-  grid, per_block, _ = _native.dcp_lamport_plan(cell_bytes, max_blocks, batch, heads, world, row_bytes)
   if grid == 0:
     return "the rows do not fit the channel's Lamport cells (the barrier protocol takes the call)"
   row_words = row_bytes // 4
   shard_heads = heads // world
   if shard_heads % per_block or per_block & (per_block - 1) or row_words & (row_words - 1):
-    return (f"blocks of {per_block} rows of {row_bytes} bytes (B={batch}, {shard_heads} heads per rank) are not "
+    return (f"blocks of {per_block} rows of {row_bytes} bytes ({shard_heads} heads per rank) are not "
             "power-of-two tiles of one batch row's heads (the Triton kernel's)")
   if per_block * row_words > MAX_TILE_WORDS:
     return f"a block of {per_block} rows of {row_bytes} bytes exceeds the Triton kernel's tiles of {MAX_TILE_WORDS} words"
   return None
-
-
-def dcp_plan(plan: Plan, batch: int, heads: int, row_bytes: int) -> Plan:
-  """The dcp_a2a kernel's plan on the channel ``plan`` describes: the FFI
-  kernel's grid and tag (ffi/dcp.h plan_dcp_lamport), ``block_words`` the
-  words of one source's rows in a block."""
-  from b12x_jax import _native
-
-  grid, per_block, tag = _native.dcp_lamport_plan(plan.cell_bytes, plan.max_blocks, batch, heads, plan.world,
-                                                  row_bytes)
-  return dataclasses.replace(plan, grid=grid, block_words=per_block * row_bytes // 4, tag=tuple(tag))
 
 
 def plan_problem(view: dict) -> str | None:
@@ -211,11 +196,15 @@ def call_for(op: str, view: dict, avals, params: dict, *, channel: str, poison: 
     out, _ = avals
     batch, heads, dim = out.shape
     row_bytes = dim * out.dtype.itemsize
-    problem = dcp_problem(out.dtype, batch, heads, plan.world, row_bytes, plan.cell_bytes, plan.max_blocks)
+    from b12x_jax import _native
+    grid, per_block, tag = _native.dcp_lamport_plan(plan.cell_bytes, plan.max_blocks, batch, heads, plan.world,
+                                                    row_bytes)
+    problem = dcp_problem(out.dtype, heads, plan.world, row_bytes, grid, per_block)
     if problem is not None:
       return problem
     merge = dict(base2=bool(params["base2"]), return_lse=bool(params["return_lse"]))
-    dcp = dcp_plan(plan, batch, heads, row_bytes)
+    # The FFI kernel's grid and tag; a block's words: one source's rows of it.
+    dcp = dataclasses.replace(plan, grid=grid, block_words=per_block * row_bytes // 4, tag=tag)
     return Call((dcp, tuple(merge.items())),
                 lambda row, out, lse: list(dcp_a2a(out, lse, row, dcp, **merge, channel=channel, poison=poison)))
   if op == "all_reduce":
@@ -723,7 +712,7 @@ def _dcp_kernel(plan: Plan, rows: int, base2: bool, return_lse: bool, table_ref,
 def dcp_a2a(out: jax.Array, lse: jax.Array, row: jax.Array, plan: Plan, *, base2: bool, return_lse: bool,
             channel: str, poison: bool) -> list[jax.Array]:
   """The DCP merge of ``out`` [B, H, D] (bfloat16) and ``lse`` [B, H] as a
-  Pallas Triton kernel of ``plan`` (dcp_plan): program i takes the FFI
+  Pallas Triton kernel of ``plan`` (call_for's): program i takes the FFI
   kernel's block i, a run of one batch row's heads. Returns [merged out]
   (and the merged lse)."""
   from jax.experimental import pallas as pl

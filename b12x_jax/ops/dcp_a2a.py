@@ -118,12 +118,12 @@ def dcp_a2a(out, lse, axis_name: str, *, return_lse: bool = False, lse_base: str
     row_bytes = dim * out.dtype.itemsize
     blocks = channel_blocks(comm.max_blocks)
     cell = _native.lamport_cell_bytes(comm.native_options(), blocks)
-    lamport = row_bytes % PACK_BYTES == 0 and _native.dcp_lamport_plan(cell, blocks, batch, heads, size, row_bytes)[0]
+    grid, per_block, _ = _native.dcp_lamport_plan(cell, blocks, batch, heads, size, row_bytes)
+    lamport = grid > 0  # (0 also for rows not of whole packs, or more ranks than a channel has)
     # In the Lamport window nothing is staged in the barrier protocol's cells.
     staged = 0 if lamport else _staged_bytes(batch * heads // size, row_bytes, comm.max_blocks or _MAX_BLOCKS)
-    kernel = comm.choose_kernel(_OP, _triton_lamport.dcp_problem(out.dtype, batch, heads, size, row_bytes, cell,
-                                                                 blocks) if lamport else
-                                "the call is outside the Lamport window")
+    kernel = comm.choose_kernel(_OP, _triton_lamport.dcp_problem(out.dtype, heads, size, row_bytes, grid, per_block)
+                                if lamport else "the call is outside the Lamport window")
     protocol = ("lamport (the rows fit the channel's Lamport cells)" if lamport else
                 "the barrier protocol (the rows exceed the channel's Lamport cells)")
     decision = comm.choose_path(_OP, name, row_bytes, out.dtype, size, unit="row of out", arg="out",

@@ -156,10 +156,12 @@ __global__ void __launch_bounds__(kThreads)
       if (exchanges_with(v, p)) lamport_push_to<CudaMem>(v, c, p, i, part(p, i));
     }
   };
-  // The merge needs every source's lse of a row before its payload: after the exchange.
+  // The merge needs every source's lse of a row before its payload: it runs
+  // after the exchange, its own rows from the input; the exchange only waits.
+  const auto no_own = [](size_t) { return Pack{}; };
   const auto arrived = [](size_t, const Pack*) {};
   const int buffer = lamport_exchange_with<kThreads>(v, plan.tag(s), DcpCell{n, s.row_packs}.lamport_packs(), push,
-                                                     [&](size_t i) { return part(v.rank, i); }, arrived);
+                                                     no_own, arrived);
   if (buffer < 0) return fill_failed(s, lo, n, out, out_lse);
   char* cells[kMaxRanks];
 #pragma unroll
