@@ -256,6 +256,56 @@ def test_dcp_a2a_lowers_to_its_triton_kernel_for_cuda_and_float16_to_ffi(cpu_mes
   assert "no Triton kernel for dcp_a2a of dtype float16" in comm.decisions[1].reason
 
 
+def test_every_read_of_memory_that_peers_write_gives_each_element_one_thread(cpu_mesh, monkeypatch):
+  # Triton gives a tensor narrower than the program's threads copies in several threads, each
+  # loading on its own; reductions read one copy, so threads disagreed on when a poll ended (the
+  # one-GPU rig: NaN in a row of the fused op inside a loop, no error). Polls, poison words and the
+  # clock are read in one 1-D shape at least as wide as the threads; narrower reads only of words
+  # the polls saw arrived (docs/DESIGN.md, "Triton kernels").
+  from jax.experimental.pallas import triton as plt
+
+  from b12x_jax.ops import _triton_lamport as triton
+  kernels: list[tuple[int, list]] = []  # (num_warps, [(asm, result shape)]) per pallas_call
+  real_asm, real_params = plt.elementwise_inline_asm, plt.CompilerParams
+
+  def params(**options):
+    kernels.append((options["num_warps"], []))
+    return real_params(**options)
+
+  def asm(code, *, result_shape_dtypes, **options):
+    kernels[-1][1].append((code, tuple(result_shape_dtypes[0].shape)))
+    return real_asm(code, result_shape_dtypes=result_shape_dtypes, **options)
+
+  monkeypatch.setattr(plt, "CompilerParams", params)
+  monkeypatch.setattr(plt, "elementwise_inline_asm", asm)
+  mesh = cpu_mesh(2)
+
+  def body(*args):
+    sums = [b12x_jax.all_reduce(a, "x") for a in args[:3]]
+    fused = [b12x_jax.all_reduce_residual_rmsnorm(x, r, w, "x")[0] for x, r, w in (args[3:6], args[6:9])]
+    return (*sums, *fused, b12x_jax.dcp_a2a(args[9], args[10], "x"))
+
+  sharded = jax.sharding.NamedSharding(mesh, P("x"))
+  replicated = jax.sharding.NamedSharding(mesh, P())
+  shapes = [((8,), jnp.float32, sharded), ((64,), jnp.float32, sharded), ((2048,), jnp.bfloat16, sharded),
+            ((2, 8), jnp.bfloat16, sharded), ((1, 8), jnp.bfloat16, replicated), ((8,), jnp.bfloat16, replicated),
+            ((2, 256), jnp.bfloat16, sharded), ((1, 256), jnp.bfloat16, replicated),
+            ((256,), jnp.bfloat16, replicated), ((2, 2, 64), jnp.bfloat16, sharded), ((2, 2), jnp.float32, sharded)]
+  args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype, sharding in shapes]
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=tuple(a.sharding.spec for a in args),
+                             out_specs=(P("x"),) * 3 + (P(),) * 2 + (P("x"),)))
+  with fresh_communicator(kernels="triton") as comm, b12x_jax.channel("onethread"):
+    lower_for_cuda(fn, args, monkeypatch)
+  assert [d.kernel for d in comm.decisions] == ["triton"] * 6, comm.decisions
+  assert len(kernels) == 6
+  polled = {triton._LOAD, triton._LOAD_IF, triton._CLOCK}
+  for warps, asms in kernels:
+    shapes = {shape for code, shape in asms if code in polled}
+    assert shapes and all(len(shape) == 1 and shape[0] >= 32 * warps for shape in shapes), (warps, shapes)
+    assert {code for code, _ in asms} <= polled | {triton._LOAD_ARRIVED, triton._STORE} | {
+        code for code, _ in asms if "atom.global.cas" in code}
+
+
 @pytest.mark.parametrize("shape, blocks, cell, plan", [
     ((1, 16, 128, 2), 64, 16384, (1, 8)),     # 8 heads of 128 bytes: 1 KiB, one block
     ((1, 32, 512, 2), 64, 16384, (2, 8)),     # 16 heads of 512 bytes: split into blocks of 4 KiB

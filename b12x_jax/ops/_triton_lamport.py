@@ -63,6 +63,9 @@ _SPINS_PER_UNIT = 16
 # One 32-bit word at (lo, hi) + off; $4, the dependency, is not read.
 _LOAD = ("{ .reg .b64 a; .reg .b64 o; mov.b64 a, {$1, $2}; cvt.u64.u32 o, $3; add.u64 a, a, o; "
          "ld.volatile.global.u32 $0, [a]; }")
+# The same load, of a word this program saw arrived (it stays until this
+# rank refills it), so in any shape: after the polls (_exchange).
+_LOAD_ARRIVED = _LOAD.replace("ld.volatile.global.u32", "ld.relaxed.sys.global.u32")
 # The same where $4 is non-zero, else 0 without touching memory ($5: the dependency).
 _LOAD_IF = ("{ .reg .b64 a; .reg .b64 o; .reg .pred p; setp.ne.u32 p, $4, 0; mov.b64 a, {$1, $2}; "
             "cvt.u64.u32 o, $3; add.u64 a, a, o; mov.u32 $0, 0; @p ld.volatile.global.u32 $0, [a]; }")
@@ -313,22 +316,23 @@ def _flat_iota(shape: tuple[int, ...]) -> jax.Array:
   return index
 
 
-def _exchange(plan: Plan, table_ref, parts):
+def _exchange(plan: Plan, table_ref, parts, warps: int):
   """One Lamport call of this program's block (its program id) on the
-  channel (lamport.h). ``parts[p]``: the words this rank sends rank p (for
-  every p < world; a sum sends every peer the same), a tuple of segments
-  (int32 arrays, one shape per segment for every p) laid out one after the
-  other in the cell, then 0 up to a whole pack (a reader polls packs).
-  Pushes each peer's part into this rank's cell of its buffer B(k), waits,
-  bounded, until every source's cell of B(k) arrived, checks the tags,
-  records a failure once per channel, refills and advances. Returns (done,
-  cells, rank, sink): whether the call finished, every source's arrived
-  segments (a source this rank does not exchange with holds zeros), this
-  rank, and ``sink`` (0, the OR of every store's result, which the caller
-  must fold into its output: the module docstring). A block reads only its
-  own cells: each block cycles its buffers by the calls it took part in, so
-  another block's B(k) may be a buffer that still holds an older call's
-  words (docs/DESIGN.md, "Triton kernels")."""
+  channel (lamport.h), in a program of ``warps`` warps. ``parts[p]``: the
+  words this rank sends rank p (for every p < world; a sum sends every peer
+  the same), a tuple of segments (int32 arrays, one shape per segment for
+  every p) laid out one after the other in the cell, then 0 up to a whole
+  pack (a reader polls packs). Pushes each peer's part into this rank's cell
+  of its buffer B(k), waits, bounded, until every source's cell of B(k)
+  arrived, checks the tags, records a failure once per channel, refills and
+  advances. Returns (done, cells, rank, sink): whether the call finished,
+  every source's arrived segments (a source this rank does not exchange
+  with holds zeros), this rank, and ``sink`` (0, the OR of every store's
+  result, which the caller must fold into its output: the module
+  docstring). A block reads only its own cells: each block cycles its
+  buffers by the calls it took part in, so another block's B(k) may be a
+  buffer that still holds an older call's words (docs/DESIGN.md, "Triton
+  kernels")."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plt
 
@@ -336,8 +340,20 @@ def _exchange(plan: Plan, table_ref, parts):
   starts = np.cumsum([0] + [int(np.prod(shape)) for shape in shapes]).tolist()
   words_total = starts[-1]
   packs = -(-words_total // 4)
-  tail = 4 * packs - words_total  # the pad words after the segments
-  control = shapes[0]  # the shape of per-call values (Signal words, flags): the first segment's
+  cell_words = 4 * packs  # the segments, then the pad words
+  # Every value the kernel reads from memory that others write while it
+  # runs (cells, headers, poison words, the clock) is read in `control`, a
+  # 1-D shape at least as wide as the program's threads, so that each
+  # element lives in one thread. Triton gives a narrower tensor copies in
+  # several threads; each copy's load would see the memory at its own time
+  # while reductions read one copy, so threads would disagree on when a
+  # poll ended, and the program's barriers would pair up across iterations
+  # (docs/DESIGN.md, "Triton kernels").
+  width = max(32 * warps, 1 << (cell_words - 1).bit_length())
+  control = (width,)
+  # The polls' words are the outputs' words (one segment of the same shape):
+  # the kernel takes them as polled, without a read after the loop.
+  as_polled = shapes == [control] and cell_words == width
   sig_off, err_off = dict(plan.signal_offsets), dict(plan.error_offsets)
 
   def asm(code: str, *args, shape: tuple[int, ...] = control) -> jax.Array:
@@ -353,23 +369,26 @@ def _exchange(plan: Plan, table_ref, parts):
   def address(at: int):
     return table[at], table[at + 1]
 
-  def load(base, offset, dep, shape: tuple[int, ...] = control):
-    return asm(_LOAD, *base, offset, dep, shape=shape)
+  def load(base, offset, dep):
+    return asm(_LOAD, *base, offset, dep)
+
+  def load_if(base, offset, enabled, dep):
+    return asm(_LOAD_IF, *base, offset, enabled.astype(_U32), dep)
 
   def store(base, offset, value, enabled, dep):
     return asm(_STORE, *base, offset, value, enabled.astype(_U32), dep, shape=jnp.shape(dep))
 
   def clock(dep):
-    return jnp.max(asm(_CLOCK, dep, shape=jnp.shape(dep)))  # one reading for the whole program
+    return jnp.max(asm(_CLOCK, dep))  # one reading for the whole program
 
   def any_(mask) -> jax.Array:
     return jnp.max(mask.astype(jnp.int32)) > 0
 
   block = pl.program_id(0).astype(_U32)
-  lanes = _flat_iota(control)
+  lanes = jax.lax.iota(_U32, width)
+  in_cell, in_header = lanes < cell_words, lanes < 4
   # Each segment's words: their index in the cell.
   segment_words = [starts[k] + _flat_iota(shape) for k, shape in enumerate(shapes)]
-  header_lanes = jax.lax.iota(_U32, 4)  # a header's words; also the pad words'
   rank = table[_RANK]
   own_signal, error, own_lamport = address(_OWN_SIGNAL), address(_ERROR), address(_OWN_LAMPORT)
   zero = jnp.zeros(control, _U32)
@@ -415,12 +434,11 @@ def _exchange(plan: Plan, table_ref, parts):
   def on_the_wire(words):
     return jnp.where(words == empty, jnp.full(words.shape, plan.nan_word, _U32), words)
 
-  # 1. Push each peer's part and the header into this rank's cell of the
-  #    peer's buffer B(k). Each segment's stores form one chain (`sinks`:
-  #    every store's result ORed, what keeps them, in order: the module
-  #    docstring); the header's joins the first, the pad words' their own.
-  sinks = [jnp.zeros(shape, _U32) for shape in shapes]
-  pad_sink = jnp.zeros((4,), _U32)
+  # 1. Push each peer's part, the pad words and the header into this rank's
+  #    cell of the peer's buffer B(k). Each segment's stores form one chain
+  #    (`sinks`: every store's result ORed, what keeps them, in order: the
+  #    module docstring); the pad words' and the header's form the last.
+  sinks = [jnp.zeros(shape, _U32) for shape in (*shapes, control)]
   for p in range(plan.world):
     enabled = jnp.logical_and(exchanges_with(p), go)
     peer = address(_PEER_LAMPORT + 2 * p)
@@ -428,38 +446,35 @@ def _exchange(plan: Plan, table_ref, parts):
     for k, segment in enumerate(parts[p]):
       sinks[k] = sinks[k] | store(peer, cell + 4 * segment_words[k], on_the_wire(segment),
                                   jnp.broadcast_to(enabled, segment.shape), sinks[k])
-    if tail:
-      pad_sink = pad_sink | store(peer, cell + 4 * (words_total + header_lanes), jnp.zeros((4,), _U32),
-                                  jnp.logical_and(enabled, header_lanes < tail), pad_sink)
-    sinks[0] = sinks[0] | store(peer, header_offset(buffer, rank), tag_words, jnp.logical_and(enabled, lanes < 4),
-                                sinks[0])
-  pushed = functools.reduce(jnp.bitwise_or, [jnp.max(sink) for sink in (*sinks, pad_sink)])
+    if cell_words > words_total:
+      sinks[-1] = sinks[-1] | store(peer, cell + 4 * lanes, zero,
+                                    jnp.logical_and(enabled, jnp.logical_and(lanes >= words_total, in_cell)),
+                                    sinks[-1])
+    sinks[-1] = sinks[-1] | store(peer, header_offset(buffer, rank), tag_words, jnp.logical_and(enabled, in_header),
+                                  sinks[-1])
+  sink = functools.reduce(jnp.bitwise_or, [jnp.max(s) for s in sinks])
 
-  # 2. Poll every source's cells and headers of B(k) until no word is empty,
-  #    bounded (protocol.h poll_peer): the deadline, or the peer's poison
-  #    after the grace.
+  # 2. Poll every source's cell (the pad words too: every word refilled
+  #    later must have arrived, none lands after the refill) and header of
+  #    B(k) until no word is empty, bounded (protocol.h poll_peer): the
+  #    deadline, or the peer's poison after the grace. One reduction per
+  #    source and poll: 2 while a word is empty, else 1 where the tag
+  #    differs (lamport.h lamport_header_state), else 0.
   first_call_flag = jnp.max((served == zero).astype(jnp.int32))  # 1 until the block met its peers once
   first_call = first_call_flag > 0
   bound = table[_TIMEOUT] + first_call_flag * (table[_FIRST_TIMEOUT] - table[_TIMEOUT])
   spin_bound = jnp.minimum(bound, _MAX_WAIT_UNITS // _SPINS_PER_UNIT) * _SPINS_PER_UNIT
   sources = list(range(plan.world))
-  read_tag = tag_of(header_lanes)
-  segments = len(shapes)
 
   def poll(it):
-    cells = [tuple(load(own_lamport, cell_offset(buffer, q) + 4 * segment_words[k], jnp.broadcast_to(it, shape),
-                        shape) for k, shape in enumerate(shapes))
-             for q in sources]
-    headers = [load(own_lamport, header_offset(buffer, q, header_lanes), jnp.broadcast_to(it, (4,)), (4,))
-               for q in sources]
-    # The pad words too: every word refilled later must have arrived (none lands after the refill).
-    pads = [jnp.logical_and(header_lanes < tail,
-                            load(own_lamport, cell_offset(buffer, q) + 4 * (words_total + header_lanes),
-                                 jnp.broadcast_to(it, (4,)), (4,)) == empty) for q in sources] if tail else []
-    pending = [jnp.logical_and(exchanges_with(q), functools.reduce(
-        jnp.logical_or, [any_(c == empty) for c in cell] + [any_(h == plan.empty_word)] + ([any_(pads[q])] if tail else [])))
-               for q, cell, h in zip(sources, cells, headers)]
-    return cells, headers, pending
+    dep = jnp.broadcast_to(it, control)
+    cells = [load_if(own_lamport, cell_offset(buffer, q) + 4 * lanes, in_cell, dep) for q in sources]
+    headers = [load_if(own_lamport, header_offset(buffer, q), in_header, dep) for q in sources]
+    states = [jnp.where(exchanges_with(q), jnp.max(jnp.where(
+        jnp.logical_or(jnp.logical_and(in_cell, c == empty), jnp.logical_and(in_header, h == empty)), jnp.int32(2),
+        jnp.where(jnp.logical_and(in_header, h != tag_words), jnp.int32(1), jnp.int32(0)))), jnp.int32(0))
+              for q, c, h in zip(sources, cells, headers)]
+    return cells, states
 
   def first_of(flags) -> jax.Array:  # the lowest rank whose flag is set, else world
     out = jnp.int32(plan.world)
@@ -474,37 +489,45 @@ def _exchange(plan: Plan, table_ref, parts):
 
   def body(carry):
     it = carry[0]
-    cells, headers, pending = poll(it)
+    cells, states = poll(it)
+    pending = [state == 2 for state in states]
     waiting = functools.reduce(jnp.logical_or, pending)
-    now = clock(jnp.broadcast_to(it, control) | cells[0][0])
+    now = clock(jnp.broadcast_to(it, control) | cells[0])
     elapsed = now - start
     late = jnp.logical_or(elapsed > bound, it > spin_bound)
     # A pending peer that poisoned the channel gave up: stop now (after the grace).
     look = jnp.logical_and(waiting, elapsed > plan.grace_units)
-    gave = [jnp.logical_and(pending[q], any_(asm(_LOAD_IF, *address(_PEER_SIGNAL + 2 * q), sig_off["poisoned"],
-                                                  look.astype(_U32), jnp.broadcast_to(it, control)) != 0))
+    gave = [jnp.logical_and(pending[q], any_(load_if(address(_PEER_SIGNAL + 2 * q), sig_off["poisoned"],
+                                                     jnp.broadcast_to(look, control), jnp.broadcast_to(it, control)) != 0))
             for q in sources]
     gave_up = functools.reduce(jnp.logical_or, gave)
     failed = jnp.logical_and(waiting, jnp.logical_or(late, gave_up))
     failed_peer = jnp.where(failed, jnp.where(gave_up, first_of(gave), first_of(pending)), -1)
-    return (it + 1, waiting.astype(jnp.int32), failed_peer, gave_up.astype(jnp.int32),
-            *[c for cell in cells for c in cell], *headers)
+    return (it + 1, waiting.astype(jnp.int32), failed_peer, gave_up.astype(jnp.int32), *states,
+            *(cells if as_polled else ()))
 
-  init = (pushed, go.astype(jnp.int32), jnp.int32(-1), jnp.int32(0),
-          *([jnp.zeros(shape, _U32) for shape in shapes] * plan.world), *([jnp.zeros((4,), _U32)] * plan.world))
+  init = (sink, go.astype(jnp.int32), jnp.int32(-1), jnp.int32(0), *[jnp.int32(0)] * plan.world,
+          *([zero] * plan.world if as_polled else ()))
   it, _, failed_peer, gave_up, *polled = jax.lax.while_loop(cond, body, init)
+  states, polled = polled[:plan.world], polled[plan.world:]
   gave_up = gave_up > 0
-  cells = [tuple(polled[q * segments:(q + 1) * segments]) for q in sources]
-  headers = polled[plan.world * segments:]
   timed_out = failed_peer >= 0
+  if as_polled:
+    cells = [(c,) for c in polled]
+  else:  # every word arrived, and stays until this rank refills it: any thread's load now reads it
+    cells = [tuple(asm(_LOAD_ARRIVED, *own_lamport, cell_offset(buffer, q) + 4 * segment_words[k],
+                       jnp.broadcast_to(it, shape), shape=shape) for k, shape in enumerate(shapes))
+             for q in sources]
 
-  # 3. The tags (lamport.h lamport_header_state), once every word arrived.
-  mismatched = [jnp.logical_and(exchanges_with(q), any_(headers[q] != read_tag)) for q in sources]
+  # 3. The tags, once every word arrived.
+  mismatched = [jnp.logical_and(exchanges_with(q), state == 1) for q, state in zip(sources, states)]
   mismatch = jnp.logical_and(jnp.logical_and(go, jnp.logical_not(timed_out)),
                              functools.reduce(jnp.logical_or, mismatched))
   mismatch_peer = first_of(mismatched)
-  seen = [jnp.max(jnp.where((header_lanes & 3) == k,
-                            sum(jnp.where(mismatch_peer == q, headers[q], 0) for q in sources), 0)) for k in range(4)]
+  # The header the mismatching peer wrote, for the record (read only then).
+  header = load_if(own_lamport, header_offset(buffer, mismatch_peer), jnp.logical_and(mismatch, in_header),
+                   jnp.broadcast_to(it, control))
+  seen = [jnp.max(jnp.where(lanes == k, header, 0)) for k in range(4)]
 
   # 4. A failure is recorded once per channel (the poison word's claim).
   # int32 constants, not Python ints: jnp.where(b, 1, 0) lowers to a 1-bit value in Pallas Triton.
@@ -513,41 +536,53 @@ def _exchange(plan: Plan, table_ref, parts):
   record = jnp.logical_or(stale, jnp.logical_or(timed_out, mismatch))
   peer = jnp.where(stale, -1, jnp.where(mismatch, mismatch_peer, failed_peer))
   epoch = jnp.where(stale, jnp.max(lowered_for), calls + 1)
-  sink = sinks[0] | asm(_record_asm(err_off, sig_off["poisoned"], plan.error_complete), *own_signal, *error,
-                        jnp.logical_and(record, lanes == 0).astype(_U32), kind, rank, peer.astype(_U32), epoch,
-                        jnp.logical_and(gave_up, timed_out).astype(_U32), first_call.astype(_U32),
-                        *[jnp.int32(t) for t in plan.tag], *seen, jnp.max(generation), jnp.broadcast_to(it, control))
+  sink = sink | asm(_record_asm(err_off, sig_off["poisoned"], plan.error_complete), *own_signal, *error,
+                    jnp.logical_and(record, lanes == 0).astype(_U32), kind, rank, peer.astype(_U32), epoch,
+                    jnp.logical_and(gave_up, timed_out).astype(_U32), first_call.astype(_U32),
+                    *[jnp.int32(t) for t in plan.tag], *seen, jnp.max(generation), jnp.broadcast_to(it, control))
   done = jnp.logical_and(go, jnp.logical_not(jnp.logical_or(timed_out, mismatch)))
 
   # 5. Refill the cells and headers of B(k - 1) this block read in its
   #    previous call (lamport.h lamport_refill), then advance (lamport_advance).
   previous_words = jnp.max(previous_packs) * 4
-  chunk_words = lanes.size
 
   def refill_cond(carry):
-    return carry[0] * chunk_words < previous_words
+    return carry[0] * width < previous_words
 
   def refill_body(carry):
     chunk, acc = carry
-    words = chunk * chunk_words + lanes
+    words = chunk * width + lanes
     for q in sources:
       enabled = jnp.logical_and(jnp.logical_and(exchanges_with(q), done), words < previous_words)
       acc = acc | store(own_lamport, cell_offset(previous, q) + 4 * words, jnp.full(control, empty, _U32), enabled, acc)
     return chunk + 1, acc
 
-  _, sink = jax.lax.while_loop(refill_cond, refill_body, (jnp.int32(0), sink))
+  _, refilled = jax.lax.while_loop(refill_cond, refill_body, (jnp.int32(0), jnp.broadcast_to(sink, control)))
   for q in sources:
-    enabled = jnp.logical_and(jnp.logical_and(exchanges_with(q), done), lanes < 4)
-    sink = sink | store(own_lamport, header_offset(previous, q), jnp.full(control, empty, _U32), enabled, sink)
+    enabled = jnp.logical_and(jnp.logical_and(exchanges_with(q), done), in_header)
+    refilled = refilled | store(own_lamport, header_offset(previous, q), jnp.full(control, empty, _U32), enabled,
+                                refilled)
   following = jnp.where(buffer == 2, jnp.int32(0), buffer + 1)
   head = jnp.logical_and(done, lanes == 0)
   for name, value in (("served", 1), ("lamport_calls", calls + 1), ("lamport_buffer", following),
                       ("lamport_packs", packs)):
-    sink = sink | store(own_signal, sig_off[name] + 4 * block, jnp.broadcast_to(jnp.asarray(value, _U32), control),
-                        head, sink)
+    refilled = refilled | store(own_signal, sig_off[name] + 4 * block,
+                                jnp.broadcast_to(jnp.asarray(value, _U32), control), head, refilled)
   cells = [tuple(jnp.where(exchanges_with(q), c, jnp.zeros(c.shape, _U32)) for c in cell)
            for q, cell in enumerate(cells)]
-  return done, cells, rank, functools.reduce(jnp.bitwise_or, [jnp.max(x) for x in (sink, *sinks[1:], pad_sink)])
+  return done, cells, rank, jnp.max(refilled)
+
+
+def _wide_warps(words: int) -> int:
+  """Warps for a program that holds ``words`` words (every source's block)
+  at once while it polls: more warps for more words, 4 to 16."""
+  return min(16, 1 << max(2, (words // 2048).bit_length() - 1))
+
+
+def _warps(block_words: int, wanted: int) -> int:
+  """``wanted`` warps, or fewer where the block has fewer words than their
+  threads: _exchange then takes its polls' words as the block's."""
+  return max(1, min(wanted, block_words // 32))
 
 
 def _sum_in_rank_order(parts, dtype: str) -> tuple[jax.Array, ...]:
@@ -578,9 +613,9 @@ def _words(values: tuple[jax.Array, ...], dtype: str) -> jax.Array:
   return _bfloat16_bits(values[0]) | jax.lax.shift_left(_bfloat16_bits(values[1]), jnp.int32(16))
 
 
-def _all_reduce_kernel(plan: Plan, dtype: str, table_ref, x_ref, y_ref):
+def _all_reduce_kernel(plan: Plan, dtype: str, warps: int, table_ref, x_ref, y_ref):
   x_words = x_ref[...]
-  done, cells, rank, sink = _exchange(plan, table_ref, [(x_words,)] * plan.world)
+  done, cells, rank, sink = _exchange(plan, table_ref, [(x_words,)] * plan.world, warps)
   # This rank's own part from its input, except under loopback (channel.h from_own_input).
   parts = [c if plan.loopback else jnp.where(rank == q, x_words, c) for q, (c,) in enumerate(cells)]
   total = _words(_sum_in_rank_order(parts, dtype), dtype)
@@ -589,11 +624,11 @@ def _all_reduce_kernel(plan: Plan, dtype: str, table_ref, x_ref, y_ref):
   y_ref[...] = jnp.where(failed_or_kept, jnp.int32(_signed(_DTYPES[dtype])), total)
 
 
-def _rmsnorm_kernel(plan: Plan, dtype: str, hidden: int, eps: float, table_ref, x_ref, residual_ref, weight_ref,
-                    normed_ref, residual_out_ref):
+def _rmsnorm_kernel(plan: Plan, dtype: str, hidden: int, eps: float, warps: int, table_ref, x_ref, residual_ref,
+                    weight_ref, normed_ref, residual_out_ref):
   """The fused op (ffi/rmsnorm.h's math) on one row per program."""
   x_words = x_ref[...]
-  done, cells, rank, sink = _exchange(plan, table_ref, [(x_words,)] * plan.world)
+  done, cells, rank, sink = _exchange(plan, table_ref, [(x_words,)] * plan.world, warps)
   parts = [c if plan.loopback else jnp.where(rank == q, x_words, c) for q, (c,) in enumerate(cells)]
   # residual_out = round(sum + residual), one rounding; the norm reads it rounded.
   total = _sum_in_rank_order(parts, dtype)
@@ -625,11 +660,13 @@ def all_reduce(x: jax.Array, row: jax.Array, plan: Plan, *, channel: str, poison
     in_specs.append(spec)
     aliases = {2: 0}
 
+  warps = _warps(W, 4 if W <= 1024 else 8)
+
   def kernel(table_ref, x_ref, *refs):  # refs: (the poisoned output,) and the output
-    _all_reduce_kernel(plan, dtype, table_ref, x_ref, refs[-1])
+    _all_reduce_kernel(plan, dtype, warps, table_ref, x_ref, refs[-1])
   y = pl.pallas_call(kernel, out_shape=_compat.shape_dtype_like(flat), grid=(plan.grid,),
                      in_specs=in_specs, out_specs=spec, input_output_aliases=aliases,
-                     compiler_params=plt.CompilerParams(num_warps=4 if W <= 1024 else 8, num_stages=1),
+                     compiler_params=plt.CompilerParams(num_warps=warps, num_stages=1),
                      name=f"b12x_all_reduce_lamport_{channel}", metadata={"b12x_channel": channel})(*operands)
   return jax.lax.bitcast_convert_type(y, x.dtype).reshape(x.shape)
 
@@ -659,27 +696,27 @@ def residual_rmsnorm(x: jax.Array, residual: jax.Array, weight: jax.Array, row: 
     in_specs += [row_spec] * 2
     aliases = {4: 0, 5: 1}
 
+  # A program holds a row of every source while it polls: more warps for more words.
+  warps = _warps(W, _wide_warps(W * plan.world))
+
   def kernel(table_ref, x_ref, residual_ref, weight_ref, *refs):  # refs: (the poisoned outputs,) and outputs
-    _rmsnorm_kernel(plan, dtype, x.shape[-1], eps, table_ref, x_ref, residual_ref, weight_ref, *refs[-2:])
+    _rmsnorm_kernel(plan, dtype, x.shape[-1], eps, warps, table_ref, x_ref, residual_ref, weight_ref, *refs[-2:])
   out = _compat.shape_dtype_like(words)
   normed, new_residual = pl.pallas_call(
       kernel, out_shape=(out, out), grid=(plan.grid,), in_specs=in_specs, out_specs=(row_spec, row_spec),
-      input_output_aliases=aliases,
-      # A program holds a row of every source while it polls: more warps for more words.
-      compiler_params=plt.CompilerParams(num_warps=min(16, 1 << max(2, (W * plan.world // 2048).bit_length() - 1)),
-                                         num_stages=1),
+      input_output_aliases=aliases, compiler_params=plt.CompilerParams(num_warps=warps, num_stages=1),
       name=f"b12x_residual_rmsnorm_lamport_{channel}", metadata={"b12x_channel": channel})(*operands)
   return tuple(jax.lax.bitcast_convert_type(y, x.dtype).reshape(x.shape) for y in (normed, new_residual))
 
 
-def _dcp_kernel(plan: Plan, rows: int, base2: bool, return_lse: bool, table_ref, *refs):
+def _dcp_kernel(plan: Plan, rows: int, base2: bool, return_lse: bool, warps: int, table_ref, *refs):
   """The DCP merge (ffi/dcp.h's math) of one block's ``rows`` result rows:
   ``refs`` are every destination's input rows [rows, row words] and lse
   [rows] (int32 bits), then the merged rows (and lse)."""
   world = plan.world
   x_refs, lse_refs, outputs = refs[:world], refs[world:2 * world], refs[2 * world:]
   xs, lses = [ref[...] for ref in x_refs], [ref[...] for ref in lse_refs]
-  done, cells, rank, sink = _exchange(plan, table_ref, list(zip(xs, lses)))
+  done, cells, rank, sink = _exchange(plan, table_ref, list(zip(xs, lses)), warps)
   own = lambda q, mine, cell: cell if plan.loopback else jnp.where(rank == q, mine, cell)  # noqa: E731
   payloads = [own(q, xs[q], cell[0]) for q, cell in enumerate(cells)]
   lse_bits = [own(q, lses[q], cell[1]) for q, cell in enumerate(cells)]
@@ -745,13 +782,13 @@ def dcp_a2a(out: jax.Array, lse: jax.Array, row: jax.Array, plan: Plan, *, base2
       operands.append(jnp.full(shape.shape, -1, _U32))
     in_specs += out_specs
 
+  warps = _wide_warps(plan.block_words * world)
+
   def kernel(table_ref, *refs):  # refs: inputs, (the poisoned outputs,) and the outputs
-    _dcp_kernel(plan, rows, base2, return_lse, table_ref, *refs[:2 * world], *refs[-len(out_shapes):])
+    _dcp_kernel(plan, rows, base2, return_lse, warps, table_ref, *refs[:2 * world], *refs[-len(out_shapes):])
   results = pl.pallas_call(
       kernel, out_shape=out_shapes, grid=(plan.grid,), in_specs=in_specs, out_specs=out_specs,
-      input_output_aliases=aliases,
-      compiler_params=plt.CompilerParams(num_warps=min(16, 1 << max(2, (plan.block_words * world // 2048).bit_length() - 1)),
-                                         num_stages=1),
+      input_output_aliases=aliases, compiler_params=plt.CompilerParams(num_warps=warps, num_stages=1),
       name=f"b12x_dcp_a2a_lamport_{channel}", metadata={"b12x_channel": channel})(*operands)
   merged = jax.lax.bitcast_convert_type(results[0], jnp.bfloat16).reshape(batch, heads // world, dim)
   if not return_lse:
