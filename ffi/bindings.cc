@@ -269,6 +269,8 @@ NB_MODULE(_b12x, m) {
     signal_offsets["lamport_buffer"] = offsetof(Signal, lamport_buffer);
     signal_offsets["lamport_packs"] = offsetof(Signal, lamport_packs);
     signal_offsets["served"] = offsetof(Signal, served);
+    signal_offsets["row_partial"] = offsetof(Signal, row_partial);
+    signal_offsets["row_arrivals"] = offsetof(Signal, row_arrivals);
     signal_offsets["poisoned"] = offsetof(Signal, poisoned);
     signal_offsets["generation"] = offsetof(Signal, generation);
     error_offsets["state"] = offsetof(ErrorRecord, state);

@@ -81,6 +81,14 @@ struct alignas(128) Signal {
   // on this channel; until then its waits are bounded by the setup timeout
   // (protocol.h, wait_deadline). Written only by this rank.
   uint32_t served[kMaxBlocks];
+  // The Triton fused op's rows that span several blocks (docs/DESIGN.md,
+  // "Triton kernels"): row_partial[b], block b's share of its row's sum of
+  // squares in its last such call (float bits); row_arrivals[b], for a row's
+  // first block b, grows by 65536 per call (65536 / S from each of the row's
+  // S blocks), so the blocks of a row meet whatever earlier calls split.
+  // Written only by this rank's kernels.
+  uint32_t row_partial[kMaxBlocks];
+  uint32_t row_arrivals[kMaxBlocks];
   // Non-zero once a wait on this rank timed out: later calls on the channel
   // exit at once (DESIGN C8, the channel is poisoned until released).
   uint32_t poisoned;

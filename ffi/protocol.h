@@ -202,7 +202,8 @@ B12X_HD bool wait(const ChannelView& v, int block, int peer, uint32_t epoch, con
 // A rank's Signal as if `calls` calls of every block had run, the last two
 // announced by every peer (epochs calls - 1 and calls, so each parity slot
 // holds the epoch two before the one that waits on it next), and as many
-// Lamport calls, with every Lamport buffer empty (nothing was exchanged).
+// Lamport calls and meetings of split rows, with every Lamport buffer empty
+// (nothing was exchanged).
 // The test hook of DESIGN.md "Wrap" (ChannelGroup::start_counters): written
 // into every rank's Signal before any call on the channel.
 B12X_HD void start_signal_counters(Signal& s, uint32_t calls) {
@@ -215,6 +216,7 @@ B12X_HD void start_signal_counters(Signal& s, uint32_t calls) {
     s.lamport_calls[b] = calls;
     s.lamport_buffer[b] = calls % kLamportBuffers;  // any start agreed on by every rank
     s.lamport_packs[b] = 0;
+    s.row_arrivals[b] = calls << 16;  // the split rows' meeting word crosses the wrap with the calls
   }
 }
 

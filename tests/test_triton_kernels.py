@@ -168,22 +168,32 @@ def test_each_device_gets_its_own_addresses_and_the_generation_of_its_preparatio
     assert again["lamport"] == views[0]["lamport"] and again["generation"] > views[0]["generation"]
 
 
+_SIGNAL_WORDS = ("lamport_calls", "lamport_buffer", "lamport_packs", "served", "poisoned", "generation", "row_partial",
+                 "row_arrivals")
+_ERROR_WORDS = ("state", "kind", "rank", "peer", "epoch", "peer_gave_up", "first_call", "expected", "seen",
+                "channel_generation")
+
+
 def _plan(max_blocks: int = 64, cell_words: int = 4096):
   from b12x_jax.ops import _triton_lamport as triton
   view = {"world": 2, "loopback": False, "grid": 1, "per_block": 1, "cell_bytes": 4 * cell_words,
           "cells_bytes": 0, "max_blocks": max_blocks, "tag_op": 1, "algorithm": 3,
           "packs": 1, "timeout_ns": 10**9, "first_timeout_ns": 10**9, "poison_grace_ns": 10**6,
-          "signal_offsets": {}, "error_offsets": {}, "empty_word": 0xFFFFFFFF, "nan_word": 0x7FFF7FFF,
+          "signal_offsets": {name: 4096 * k for k, name in enumerate(_SIGNAL_WORDS)},
+          "error_offsets": {name: 64 * k for k, name in enumerate(_ERROR_WORDS)}, "empty_word": 0xFFFFFFFF,
+          "nan_word": 0x7FFF7FFF,
           "failure_timeout": 1, "failure_mismatch": 2, "failure_stale": 3, "error_complete": 1}
   return triton.make_plan(view)
 
 
-@pytest.mark.parametrize("rows, row_words", [(1, 2048), (4, 4096), (64, 2048), (5, 1024), (1, 4)])
-def test_the_fused_kernel_runs_a_program_and_a_block_per_row(rows, row_words):
+# Programs per row: each keeps >= 1024 words, at most 8 per row, the grid within the channel's 64 blocks.
+@pytest.mark.parametrize("rows, row_words, split", [(1, 2048, 2), (4, 4096, 4), (1, 8192, 8), (8, 8192, 8),
+                                                    (16, 8192, 4), (64, 2048, 1), (5, 1024, 1), (1, 4, 1)])
+def test_the_fused_kernel_runs_a_row_over_programs_of_a_block_each(rows, row_words, split):
   from b12x_jax.ops import _triton_lamport as triton
-  plan = triton.rows_plan(_plan(), rows, 4 * row_words, 2)
-  assert plan.grid == rows and plan.block_words == row_words
-  assert plan.tag == (2, 3, rows * row_words // 4, rows)  # the fused op's tag, its grid
+  plan = triton.rows_plan(_plan(cell_words=8192), rows, 4 * row_words, 2)
+  assert plan.split == split and plan.grid == rows * split and plan.block_words == row_words // split
+  assert plan.tag == (2, 3, rows * row_words // 4, rows * split)  # the fused op's tag, its grid
 
 
 @pytest.mark.parametrize("rows, row_words, why", [
@@ -262,22 +272,7 @@ def test_every_read_of_memory_that_peers_write_gives_each_element_one_thread(cpu
   # one-GPU rig: NaN in a row of the fused op inside a loop, no error). Polls, poison words and the
   # clock are read in one 1-D shape at least as wide as the threads; narrower reads only of words
   # the polls saw arrived (docs/DESIGN.md, "Triton kernels").
-  from jax.experimental.pallas import triton as plt
-
-  from b12x_jax.ops import _triton_lamport as triton
-  kernels: list[tuple[int, list]] = []  # (num_warps, [(asm, result shape)]) per pallas_call
-  real_asm, real_params = plt.elementwise_inline_asm, plt.CompilerParams
-
-  def params(**options):
-    kernels.append((options["num_warps"], []))
-    return real_params(**options)
-
-  def asm(code, *, result_shape_dtypes, **options):
-    kernels[-1][1].append((code, tuple(result_shape_dtypes[0].shape)))
-    return real_asm(code, result_shape_dtypes=result_shape_dtypes, **options)
-
-  monkeypatch.setattr(plt, "CompilerParams", params)
-  monkeypatch.setattr(plt, "elementwise_inline_asm", asm)
+  kernels = _record_inline_asm(monkeypatch)
   mesh = cpu_mesh(2)
 
   def body(*args):
@@ -298,12 +293,56 @@ def test_every_read_of_memory_that_peers_write_gives_each_element_one_thread(cpu
     lower_for_cuda(fn, args, monkeypatch)
   assert [d.kernel for d in comm.decisions] == ["triton"] * 6, comm.decisions
   assert len(kernels) == 6
-  polled = {triton._LOAD, triton._LOAD_IF, triton._CLOCK}
   for warps, asms in kernels:
-    shapes = {shape for code, shape in asms if code in polled}
-    assert shapes and all(len(shape) == 1 and shape[0] >= 32 * warps for shape in shapes), (warps, shapes)
-    assert {code for code, _ in asms} <= polled | {triton._LOAD_ARRIVED, triton._STORE} | {
-        code for code, _ in asms if "atom.global.cas" in code}
+    _assert_one_thread_per_polled_element(warps, asms)
+
+
+def _record_inline_asm(monkeypatch) -> list[tuple[int, list]]:
+  """(num_warps, [(inline asm, result shape)]) of each Pallas Triton kernel lowered from now on."""
+  from jax.experimental.pallas import triton as plt
+  kernels: list[tuple[int, list]] = []
+  real_asm, real_params = plt.elementwise_inline_asm, plt.CompilerParams
+
+  def params(**options):
+    kernels.append((options["num_warps"], []))
+    return real_params(**options)
+
+  def asm(code, *, result_shape_dtypes, **options):
+    kernels[-1][1].append((code, tuple(result_shape_dtypes[0].shape)))
+    return real_asm(code, result_shape_dtypes=result_shape_dtypes, **options)
+
+  monkeypatch.setattr(plt, "CompilerParams", params)
+  monkeypatch.setattr(plt, "elementwise_inline_asm", asm)
+  return kernels
+
+
+def _assert_one_thread_per_polled_element(warps: int, asms: list) -> None:
+  from b12x_jax.ops import _triton_lamport as triton
+  polled = {triton._LOAD, triton._LOAD_IF, triton._CLOCK, triton._LOAD_ACQUIRE, triton._ARRIVE}
+  shapes = {shape for code, shape in asms if code in polled}
+  assert shapes and all(len(shape) == 1 and shape[0] >= 32 * warps for shape in shapes), (warps, shapes)
+  assert {code for code, _ in asms} <= polled | {triton._LOAD_ARRIVED, triton._STORE} | {
+      code for code, _ in asms if "atom.global.cas" in code}
+
+
+def test_a_row_over_several_programs_lowers_with_their_meeting(monkeypatch):
+  # Host channels have one block, so the program above never splits a row: the kernel of a
+  # 64-block plan, lowered on its own. Each of the 4 programs of the row publishes its share
+  # and adds to the row's meeting word (release), waits for the others' (acquire), reads the shares.
+  from b12x_jax.ops import _triton_lamport as triton
+  plan = triton.rows_plan(_plan(cell_words=8192), 2, 4 * 4096, 2)
+  assert plan.split == 4 and plan.grid == 8
+  kernels = _record_inline_asm(monkeypatch)
+  fn = jax.jit(lambda x, r, w, row: triton.residual_rmsnorm(x, r, w, row, plan, eps=1e-6, channel="split",
+                                                            poison=False))
+  args = [jax.ShapeDtypeStruct((2, 8192), jnp.bfloat16), jax.ShapeDtypeStruct((2, 8192), jnp.bfloat16),
+          jax.ShapeDtypeStruct((8192,), jnp.bfloat16), jax.ShapeDtypeStruct((triton.ROW_WORDS,), jnp.int32)]
+  text = lower_for_cuda(fn, args, monkeypatch)
+  assert text.count('@__gpu$xla.gpu.triton') == 1 and "grid_x = 8" in text
+  ((warps, asms),) = kernels
+  codes = [code for code, _ in asms]
+  assert codes.count(triton._ARRIVE) == 1 and codes.count(triton._LOAD_ACQUIRE) == 1
+  _assert_one_thread_per_polled_element(warps, asms)
 
 
 @pytest.mark.parametrize("shape, blocks, cell, plan", [

@@ -51,6 +51,10 @@ _TIMEOUT, _FIRST_TIMEOUT = 40, 41
 _ALGORITHM_LAMPORT = 3  # ffi/channel.h Algorithm::kLamport
 # The largest block one program takes (it holds every source's words of it).
 MAX_TILE_WORDS = 8192
+# The fused op's rows over several programs (row_split): each keeps at least
+# this many words of its row, and a row takes at most MAX_SPLIT programs.
+MIN_SPLIT_WORDS = 1024
+MAX_SPLIT = 8
 # The kernel's clock: globaltimer >> 10, about microseconds, in 32 bits
 # (wraps after 73 minutes; waits are bounded below half of that).
 _CLOCK_SHIFT = 10
@@ -69,6 +73,12 @@ _LOAD_ARRIVED = _LOAD.replace("ld.volatile.global.u32", "ld.relaxed.sys.global.u
 # The same where $4 is non-zero, else 0 without touching memory ($5: the dependency).
 _LOAD_IF = ("{ .reg .b64 a; .reg .b64 o; .reg .pred p; setp.ne.u32 p, $4, 0; mov.b64 a, {$1, $2}; "
             "cvt.u64.u32 o, $3; add.u64 a, a, o; mov.u32 $0, 0; @p ld.volatile.global.u32 $0, [a]; }")
+# The acquire load of a split row's meeting word (it orders the loads of the shares after it).
+_LOAD_ACQUIRE = _LOAD.replace("ld.volatile.global.u32", "ld.acquire.gpu.global.u32")
+# Adds $5 to the word at (lo, hi) + off where $4 is non-zero, releasing this
+# thread's stores before it; returns the word before ($6: the dependency), else 0.
+_ARRIVE = ("{ .reg .b64 a; .reg .b64 o; .reg .pred p; setp.ne.u32 p, $4, 0; mov.b64 a, {$1, $2}; "
+           "cvt.u64.u32 o, $3; add.u64 a, a, o; mov.u32 $0, 0; @p atom.release.gpu.global.add.u32 $0, [a], $5; }")
 # Stores $4 at (lo, hi) + off where $5 is non-zero; returns 0 ($6: the dependency).
 _STORE = ("{ .reg .b64 a; .reg .b64 o; .reg .pred p; setp.ne.u32 p, $5, 0; mov.b64 a, {$1, $2}; "
           "cvt.u64.u32 o, $3; add.u64 a, a, o; @p st.volatile.global.u32 [a], $4; mov.u32 $0, 0; }")
@@ -96,6 +106,7 @@ class Plan:
   failure_mismatch: int
   failure_stale: int
   error_complete: int
+  split: int = 1  # the fused op: programs (and blocks) per row
 
 
 # The dtypes the kernel sums, and the NaN each leaves in a 32-bit word where
@@ -145,8 +156,21 @@ def rows_plan(plan: Plan, rows: int, row_bytes: int, tag_op: int) -> Plan | str:
   if problem is not None:
     return problem
   row_words = row_bytes // 4
-  return dataclasses.replace(plan, grid=rows, block_words=row_words,
-                             tag=(tag_op, _ALGORITHM_LAMPORT, rows * row_words // 4, rows))
+  split = row_split(rows, row_words, plan.max_blocks)
+  return dataclasses.replace(plan, grid=rows * split, block_words=row_words // split, split=split,
+                             tag=(tag_op, _ALGORITHM_LAMPORT, rows * row_words // 4, rows * split))
+
+
+def row_split(rows: int, row_words: int, max_blocks: int) -> int:
+  """Programs per row of the fused op's Triton kernel: a power of two that
+  leaves each at least MIN_SPLIT_WORDS of the row, at most MAX_SPLIT, and
+  the grid within the channel's blocks. One program per row leaves most SMs
+  idle at small batches, and holds a whole large row of every source."""
+  split = 1
+  while (split < MAX_SPLIT and row_words // (2 * split) >= MIN_SPLIT_WORDS
+         and rows * 2 * split <= max_blocks):
+    split *= 2
+  return split
 
 
 def dcp_problem(dtype, heads: int, world: int, row_bytes: int, grid: int, per_block: int) -> str | None:
@@ -316,7 +340,7 @@ def _flat_iota(shape: tuple[int, ...]) -> jax.Array:
   return index
 
 
-def _exchange(plan: Plan, table_ref, parts, warps: int):
+def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | None = None):
   """One Lamport call of this program's block (its program id) on the
   channel (lamport.h), in a program of ``warps`` warps. ``parts[p]``: the
   words this rank sends rank p (for every p < world; a sum sends every peer
@@ -325,11 +349,13 @@ def _exchange(plan: Plan, table_ref, parts, warps: int):
   pack (a reader polls packs). Pushes each peer's part into this rank's cell
   of its buffer B(k), waits, bounded, until every source's cell of B(k)
   arrived, checks the tags, records a failure once per channel, refills and
-  advances. Returns (done, cells, rank, sink): whether the call finished,
-  every source's arrived segments (a source this rank does not exchange
-  with holds zeros), this rank, and ``sink`` (0, the OR of every store's
-  result, which the caller must fold into its output: the module
-  docstring). A block reads only its own cells: each block cycles its
+  advances. Returns (done, cells, rank, sink, row_total): whether the call
+  finished, every source's arrived segments (a source this rank does not
+  exchange with holds zeros), this rank, ``sink`` (0, the OR of every
+  store's result, which the caller must fold into its output: the module
+  docstring) and, where ``row_share(cells, rank)`` gives this program's
+  float32 share of its row's sum (the fused op), the row's sum over its
+  plan.split programs (else None). A block reads only its own cells: each block cycles its
   buffers by the calls it took part in, so another block's B(k) may be a
   buffer that still holds an older call's words (docs/DESIGN.md, "Triton
   kernels")."""
@@ -528,10 +554,54 @@ def _exchange(plan: Plan, table_ref, parts, warps: int):
   header = load_if(own_lamport, header_offset(buffer, mismatch_peer), jnp.logical_and(mismatch, in_header),
                    jnp.broadcast_to(it, control))
   seen = [jnp.max(jnp.where(lanes == k, header, 0)) for k in range(4)]
+  exchanged = jnp.logical_and(go, jnp.logical_not(jnp.logical_or(timed_out, mismatch)))
+  cells = [tuple(jnp.where(exchanges_with(q), c, jnp.zeros(c.shape, _U32)) for c in cell)
+           for q, cell in enumerate(cells)]
 
-  # 4. A failure is recorded once per channel (the poison word's claim).
+  # 3b. A row over several programs (the fused op, plan.split > 1): they
+  #     meet on this rank's Signal and each sums the row's shares in program
+  #     order (docs/DESIGN.md, "Triton kernels"). Every program meets, also
+  #     one that failed: its share is NaN, and so is the row's sum.
+  row_total, row_late = None, jnp.bool_(False)
+  if row_share is not None:
+    share = jnp.where(exchanged, row_share(cells, rank), jnp.float32(jnp.nan))
+    row_total = share
+  if row_share is not None and plan.split > 1:
+    split = plan.split
+    first = block - block % split
+    head = lanes == 0
+    share_bits = jnp.broadcast_to(jax.lax.bitcast_convert_type(share, _U32), control)
+    put = store(own_signal, sig_off["row_partial"] + 4 * block, share_bits, head, share_bits)
+    before = asm(_ARRIVE, *own_signal, sig_off["row_arrivals"] + 4 * first, head.astype(_U32), 65536 // split, put)
+    target = (jnp.max(jnp.where(head, before, jnp.int32(-2**31))) & jnp.int32(-65536)) + 65536
+    met_start = clock(before)
+
+    def met_cond(carry):
+      return jnp.logical_and(carry[1] == 0, carry[2] == 0)
+
+    def met_body(carry):
+      step = jnp.broadcast_to(carry[0], control)
+      arrivals = asm(_LOAD_ACQUIRE, *own_signal, sig_off["row_arrivals"] + 4 * first, step)
+      met = jnp.min(arrivals - target) >= 0  # wrap-safe: the difference as a signed word
+      waited = clock(step | arrivals) - met_start
+      late = jnp.logical_and(jnp.logical_not(met), jnp.logical_or(waited > table[_TIMEOUT], carry[0] > spin_bound))
+      return carry[0] + 1, met.astype(jnp.int32), late.astype(jnp.int32)
+
+    steps, _, late = jax.lax.while_loop(met_cond, met_body, (jnp.max(put), jnp.int32(0), jnp.int32(0)))
+    row_late = late > 0
+    shares = load_if(own_signal, sig_off["row_partial"] + 4 * (first + lanes), lanes < split,
+                     jnp.broadcast_to(steps, control))
+    row_total = functools.reduce(jnp.add, [jax.lax.bitcast_convert_type(
+        jnp.max(jnp.where(lanes == t, shares, jnp.int32(-2**31))), jnp.float32) for t in range(split)])
+    row_total = jnp.where(row_late, jnp.float32(jnp.nan), row_total)
+    sink = sink | put
+
+  # 4. A failure is recorded once per channel (the poison word's claim);
+  #    a row whose programs did not all meet names this rank.
   # int32 constants, not Python ints: jnp.where(b, 1, 0) lowers to a 1-bit value in Pallas Triton.
   kinds = [jnp.int32(k) for k in (plan.failure_stale, plan.failure_mismatch, plan.failure_timeout)]
+  timed_out = jnp.logical_or(timed_out, row_late)
+  failed_peer = jnp.where(row_late, rank, failed_peer)
   kind = jnp.where(stale, kinds[0], jnp.where(mismatch, kinds[1], kinds[2]))
   record = jnp.logical_or(stale, jnp.logical_or(timed_out, mismatch))
   peer = jnp.where(stale, -1, jnp.where(mismatch, mismatch_peer, failed_peer))
@@ -568,9 +638,7 @@ def _exchange(plan: Plan, table_ref, parts, warps: int):
                       ("lamport_packs", packs)):
     refilled = refilled | store(own_signal, sig_off[name] + 4 * block,
                                 jnp.broadcast_to(jnp.asarray(value, _U32), control), head, refilled)
-  cells = [tuple(jnp.where(exchanges_with(q), c, jnp.zeros(c.shape, _U32)) for c in cell)
-           for q, cell in enumerate(cells)]
-  return done, cells, rank, jnp.max(refilled)
+  return done, cells, rank, jnp.max(refilled), row_total
 
 
 def _wide_warps(words: int) -> int:
@@ -615,7 +683,7 @@ def _words(values: tuple[jax.Array, ...], dtype: str) -> jax.Array:
 
 def _all_reduce_kernel(plan: Plan, dtype: str, warps: int, table_ref, x_ref, y_ref):
   x_words = x_ref[...]
-  done, cells, rank, sink = _exchange(plan, table_ref, [(x_words,)] * plan.world, warps)
+  done, cells, rank, sink, _ = _exchange(plan, table_ref, [(x_words,)] * plan.world, warps)
   # This rank's own part from its input, except under loopback (channel.h from_own_input).
   parts = [c if plan.loopback else jnp.where(rank == q, x_words, c) for q, (c,) in enumerate(cells)]
   total = _words(_sum_in_rank_order(parts, dtype), dtype)
@@ -626,15 +694,21 @@ def _all_reduce_kernel(plan: Plan, dtype: str, warps: int, table_ref, x_ref, y_r
 
 def _rmsnorm_kernel(plan: Plan, dtype: str, hidden: int, eps: float, warps: int, table_ref, x_ref, residual_ref,
                     weight_ref, normed_ref, residual_out_ref):
-  """The fused op (ffi/rmsnorm.h's math) on one row per program."""
+  """The fused op (ffi/rmsnorm.h's math) on a row, or on its plan.split-th
+  part, per program."""
   x_words = x_ref[...]
-  done, cells, rank, sink = _exchange(plan, table_ref, [(x_words,)] * plan.world, warps)
-  parts = [c if plan.loopback else jnp.where(rank == q, x_words, c) for q, (c,) in enumerate(cells)]
-  # residual_out = round(sum + residual), one rounding; the norm reads it rounded.
-  total = _sum_in_rank_order(parts, dtype)
-  residual_out = _words(tuple(s + r for s, r in zip(total, _elements(residual_ref[...], dtype))), dtype)
+  new = {}
+
+  def share(cells, rank):  # residual_out = round(sum + residual), one rounding; the norm reads it rounded
+    parts = [c if plan.loopback else jnp.where(rank == q, x_words, c) for q, (c,) in enumerate(cells)]
+    total = _sum_in_rank_order(parts, dtype)
+    new["residual"] = _words(tuple(s + r for s, r in zip(total, _elements(residual_ref[...], dtype))), dtype)
+    return sum(jnp.sum(v * v) for v in _elements(new["residual"], dtype))
+
+  done, _, _, sink, squares = _exchange(plan, table_ref, [(x_words,)] * plan.world, warps, share)
+  residual_out = new["residual"]
   r = _elements(residual_out, dtype)
-  scale = jax.lax.rsqrt(sum(jnp.sum(v * v) for v in r) / hidden + eps)
+  scale = jax.lax.rsqrt(squares / hidden + eps)
   normed = _words(tuple(v * scale * w for v, w in zip(r, _elements(weight_ref[...], dtype))), dtype)
   failed_or_kept = jnp.logical_or(jnp.logical_not(done), sink != 0)
   nan = jnp.int32(_signed(_DTYPES[dtype]))
@@ -685,11 +759,12 @@ def residual_rmsnorm(x: jax.Array, residual: jax.Array, weight: jax.Array, row: 
   from jax.experimental.pallas import triton as plt
 
   dtype = np.dtype(x.dtype).name
-  W = plan.block_words  # a row's words
+  W, split = plan.block_words, plan.split  # a program's words: a row's, or its split-th part
   words = _as_words(x)
   row_spec = pl.BlockSpec((W,), lambda i: (i,))
   operands = [row, words, _as_words(residual), _as_words(weight)]
-  in_specs = [pl.BlockSpec((ROW_WORDS,), lambda i: (0,)), row_spec, row_spec, pl.BlockSpec((W,), lambda i: (0,))]
+  in_specs = [pl.BlockSpec((ROW_WORDS,), lambda i: (0,)), row_spec, row_spec,
+              pl.BlockSpec((W,), lambda i: (i % split,))]
   aliases = {}
   if poison:  # poison_outputs: NaN in every element the kernel does not write
     operands += [jnp.full_like(words, _signed(_DTYPES[dtype]))] * 2
@@ -716,7 +791,7 @@ def _dcp_kernel(plan: Plan, rows: int, base2: bool, return_lse: bool, warps: int
   world = plan.world
   x_refs, lse_refs, outputs = refs[:world], refs[world:2 * world], refs[2 * world:]
   xs, lses = [ref[...] for ref in x_refs], [ref[...] for ref in lse_refs]
-  done, cells, rank, sink = _exchange(plan, table_ref, list(zip(xs, lses)), warps)
+  done, cells, rank, sink, _ = _exchange(plan, table_ref, list(zip(xs, lses)), warps)
   own = lambda q, mine, cell: cell if plan.loopback else jnp.where(rank == q, mine, cell)  # noqa: E731
   payloads = [own(q, xs[q], cell[0]) for q, cell in enumerate(cells)]
   lse_bits = [own(q, lses[q], cell[1]) for q, cell in enumerate(cells)]
