@@ -7,10 +7,10 @@ The kernels speak the wire protocol of ffi/lamport.h word for word, on the
 channel's own memory: the same cells, headers and empty word, the same call
 tags, the same Signal words (buffer index, call count, packs, served,
 poison), the same plans (all_reduce: grid and packs per block of
-ffi/all_reduce.h plan_for; the fused op: a block per row, as ffi/rmsnorm.h
-plan_rows while rows fit the blocks; dcp_a2a: ffi/dcp.h plan_dcp_lamport),
-the same sum in rank order. So Triton and FFI calls interleave on one
-channel in program order. The native layer
+ffi/all_reduce.h plan_for; dcp_a2a: ffi/dcp.h plan_dcp_lamport; the fused
+op: a block per row as ffi/rmsnorm.h plan_rows, or several where a row is
+large, row_split), the same sum in rank order. So Triton and FFI calls
+interleave on one channel in program order. The native layer
 keeps owning the memory; it hands out the addresses
 (``_native.kernel_view``), which the lowering bakes in as constants, one
 row per device (with that device's wait bounds), picked by the device's
@@ -51,8 +51,12 @@ _TIMEOUT, _FIRST_TIMEOUT = 40, 41
 _ALGORITHM_LAMPORT = 3  # ffi/channel.h Algorithm::kLamport
 # The largest block one program takes (it holds every source's words of it).
 MAX_TILE_WORDS = 8192
-# The fused op's rows over several programs (row_split): each keeps at least
-# this many words of its row, and a row takes at most MAX_SPLIT programs.
+# The fused op's rows over several programs (row_split): a row of at least
+# SPLIT_ROW_WORDS words splits, each program keeps at least MIN_SPLIT_WORDS
+# of it, a row takes at most MAX_SPLIT programs. Loopback, one H200, bf16
+# (benchmarks/RESULTS.md): 4096-word rows over 4 programs 0.5-0.8 us faster
+# than over one, 2048-word rows over 2 up to 0.9 us slower (the meeting costs more than it saves).
+SPLIT_ROW_WORDS = 4096
 MIN_SPLIT_WORDS = 1024
 MAX_SPLIT = 8
 # The kernel's clock: globaltimer >> 10, about microseconds, in 32 bits
@@ -134,10 +138,10 @@ def why_not(op: str, dtype, nbytes: int, window: int | None) -> str | None:
 def rows_problem(rows: int, row_bytes: int, cell_bytes: int, max_blocks: int) -> str | None:
   """Why the fused op's Triton kernel cannot take ``rows`` rows of
   ``row_bytes`` on a channel of ``max_blocks`` Lamport cells of
-  ``cell_bytes``, or None: it runs a program and a block per row, as the
-  FFI kernel (a row over several programs would need a reduction across
-  them: a block reads only its own cells, _exchange). Checked at trace
-  time, so the decision says it, and again by rows_plan when lowering."""
+  ``cell_bytes``, or None: it runs a row over one program and block or,
+  where the row is large, several (row_split), each holding its part of
+  the row of every source. Checked at trace time, so the decision says it,
+  and again by rows_plan when lowering."""
   row_words = row_bytes // 4
   if row_bytes % 4 or row_words & (row_words - 1) or row_words > MAX_TILE_WORDS:
     return (f"a row of {row_bytes} bytes is not a power of two of 32-bit words, or above {MAX_TILE_WORDS} "
@@ -162,12 +166,13 @@ def rows_plan(plan: Plan, rows: int, row_bytes: int, tag_op: int) -> Plan | str:
 
 
 def row_split(rows: int, row_words: int, max_blocks: int) -> int:
-  """Programs per row of the fused op's Triton kernel: a power of two that
-  leaves each at least MIN_SPLIT_WORDS of the row, at most MAX_SPLIT, and
-  the grid within the channel's blocks. One program per row leaves most SMs
-  idle at small batches, and holds a whole large row of every source."""
+  """Programs per row of the fused op's Triton kernel: 1 below
+  SPLIT_ROW_WORDS, else a power of two that leaves each at least
+  MIN_SPLIT_WORDS of the row, at most MAX_SPLIT, and the grid within the
+  channel's blocks. One program per row leaves most SMs idle at small
+  batches, and holds a whole large row of every source."""
   split = 1
-  while (split < MAX_SPLIT and row_words // (2 * split) >= MIN_SPLIT_WORDS
+  while (row_words >= SPLIT_ROW_WORDS and split < MAX_SPLIT and row_words // (2 * split) >= MIN_SPLIT_WORDS
          and rows * 2 * split <= max_blocks):
     split *= 2
   return split
@@ -754,7 +759,8 @@ def residual_rmsnorm(x: jax.Array, residual: jax.Array, weight: jax.Array, row: 
                      eps: float, channel: str, poison: bool) -> tuple[jax.Array, jax.Array]:
   """The fused all-reduce, residual add and RMSNorm (ffi/rmsnorm.h) of
   ``x`` [..., hidden] as a Pallas Triton kernel of ``plan`` (rows_plan: a
-  program and a block per row). Returns (normed, new_residual)."""
+  row over plan.split programs of a block each). Returns (normed,
+  new_residual)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plt
 
