@@ -58,7 +58,7 @@ MAX_TILE_WORDS = 8192
 # than over one, 2048-word rows over 2 up to 0.9 us slower (the meeting costs more than it saves).
 SPLIT_ROW_WORDS = 4096
 MIN_SPLIT_WORDS = 1024
-MAX_SPLIT = 8
+MAX_SPLIT = 4  # measured up to 4
 # The kernel's clock: globaltimer >> 10, about microseconds, in 32 bits
 # (wraps after 73 minutes; waits are bounded below half of that).
 _CLOCK_SHIFT = 10
@@ -355,7 +355,7 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
   of its buffer B(k), waits, bounded, until every source's cell of B(k)
   arrived, checks the tags, records a failure once per channel, refills and
   advances. Returns (done, cells, rank, sink, row_total): whether the call
-  finished, every source's arrived segments (a source this rank does not
+  finished (a split row: in every program of the row), every source's arrived segments (a source this rank does not
   exchange with holds zeros), this rank, ``sink`` (0, the OR of every
   store's result, which the caller must fold into its output: the module
   docstring) and, where ``row_share(cells, rank)`` gives this program's
@@ -450,8 +450,8 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
   def cell_offset(buf, source):
     return ((buf * plan.world + source) * plan.max_blocks + block) * plan.cell_bytes
 
-  def header_offset(buf, source, words=lanes):
-    return plan.cells_bytes + ((buf * plan.world + source) * plan.max_blocks + block) * 16 + 4 * (words & 3)
+  def header_offset(buf, source):
+    return plan.cells_bytes + ((buf * plan.world + source) * plan.max_blocks + block) * 16 + 4 * (lanes & 3)
 
   def tag_of(words):  # word k of the tag at lanes k, k + 4, ...
     out = jnp.full(words.shape, plan.tag[3], _U32)
@@ -566,20 +566,25 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
   # 3b. A row over several programs (the fused op, plan.split > 1): they
   #     meet on this rank's Signal and each sums the row's shares in program
   #     order (docs/DESIGN.md, "Triton kernels"). Every program meets, also
-  #     one that failed: its share is NaN, and so is the row's sum.
-  row_total, row_late = None, jnp.bool_(False)
+  #     one that failed: it sets its share's sign bit (a sum of squares never
+  #     has it), and every program of the row then fails with it.
+  row_total, met_late, row_failed = None, None, None
   if row_share is not None:
-    share = jnp.where(exchanged, row_share(cells, rank), jnp.float32(jnp.nan))
-    row_total = share
+    row_total = row_share(cells, rank)
   if row_share is not None and plan.split > 1:
     split = plan.split
     first = block - block % split
     head = lanes == 0
-    share_bits = jnp.broadcast_to(jax.lax.bitcast_convert_type(share, _U32), control)
+    share_bits = jax.lax.bitcast_convert_type(row_total, _U32)
+    share_bits = jnp.broadcast_to(jnp.where(exchanged, share_bits, share_bits | jnp.int32(-2**31)), control)
     put = store(own_signal, sig_off["row_partial"] + 4 * block, share_bits, head, share_bits)
     before = asm(_ARRIVE, *own_signal, sig_off["row_arrivals"] + 4 * first, head.astype(_U32), 65536 // split, put)
     target = (jnp.max(jnp.where(head, before, jnp.int32(-2**31))) & jnp.int32(-65536)) + 65536
     met_start = clock(before)
+    # Above the exchange's own bound: a sibling still waiting for a peer
+    # records that peer's timeout before this wait ends.
+    met_bound = jnp.minimum(bound, _MAX_WAIT_UNITS - table[_TIMEOUT]) + table[_TIMEOUT]
+    met_spins = jnp.minimum(met_bound, _MAX_WAIT_UNITS // _SPINS_PER_UNIT) * _SPINS_PER_UNIT
 
     def met_cond(carry):
       return jnp.logical_and(carry[1] == 0, carry[2] == 0)
@@ -589,24 +594,28 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
       arrivals = asm(_LOAD_ACQUIRE, *own_signal, sig_off["row_arrivals"] + 4 * first, step)
       met = jnp.min(arrivals - target) >= 0  # wrap-safe: the difference as a signed word
       waited = clock(step | arrivals) - met_start
-      late = jnp.logical_and(jnp.logical_not(met), jnp.logical_or(waited > table[_TIMEOUT], carry[0] > spin_bound))
+      late = jnp.logical_and(jnp.logical_not(met), jnp.logical_or(waited > met_bound, carry[0] > met_spins))
       return carry[0] + 1, met.astype(jnp.int32), late.astype(jnp.int32)
 
     steps, _, late = jax.lax.while_loop(met_cond, met_body, (jnp.max(put), jnp.int32(0), jnp.int32(0)))
     row_late = late > 0
+    met_late = jnp.logical_and(row_late, exchanged)
     shares = load_if(own_signal, sig_off["row_partial"] + 4 * (first + lanes), lanes < split,
                      jnp.broadcast_to(steps, control))
+    row_failed = jnp.logical_or(row_late, jnp.min(jnp.where(lanes < split, shares, 0)) < 0)
     row_total = functools.reduce(jnp.add, [jax.lax.bitcast_convert_type(
-        jnp.max(jnp.where(lanes == t, shares, jnp.int32(-2**31))), jnp.float32) for t in range(split)])
-    row_total = jnp.where(row_late, jnp.float32(jnp.nan), row_total)
+        jnp.max(jnp.where(lanes == t, shares & jnp.int32(0x7FFFFFFF), 0)), jnp.float32) for t in range(split)])
     sink = sink | put
 
-  # 4. A failure is recorded once per channel (the poison word's claim);
-  #    a row whose programs did not all meet names this rank.
+  # 4. A failure is recorded once per channel (the poison word's claim); a
+  #    row whose programs did not all meet, where this program's own waits
+  #    ended well, names this rank.
   # int32 constants, not Python ints: jnp.where(b, 1, 0) lowers to a 1-bit value in Pallas Triton.
   kinds = [jnp.int32(k) for k in (plan.failure_stale, plan.failure_mismatch, plan.failure_timeout)]
-  timed_out = jnp.logical_or(timed_out, row_late)
-  failed_peer = jnp.where(row_late, rank, failed_peer)
+  if met_late is not None:
+    timed_out = jnp.logical_or(timed_out, met_late)
+    failed_peer = jnp.where(met_late, rank, failed_peer)
+    first_call = jnp.logical_and(first_call, jnp.logical_not(met_late))  # the meeting waited the call bound
   kind = jnp.where(stale, kinds[0], jnp.where(mismatch, kinds[1], kinds[2]))
   record = jnp.logical_or(stale, jnp.logical_or(timed_out, mismatch))
   peer = jnp.where(stale, -1, jnp.where(mismatch, mismatch_peer, failed_peer))
@@ -643,6 +652,8 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
                       ("lamport_packs", packs)):
     refilled = refilled | store(own_signal, sig_off[name] + 4 * block,
                                 jnp.broadcast_to(jnp.asarray(value, _U32), control), head, refilled)
+  if row_failed is not None:
+    done = jnp.logical_and(done, jnp.logical_not(row_failed))
   return done, cells, rank, jnp.max(refilled), row_total
 
 
@@ -699,10 +710,10 @@ def _all_reduce_kernel(plan: Plan, dtype: str, warps: int, table_ref, x_ref, y_r
 
 def _rmsnorm_kernel(plan: Plan, dtype: str, hidden: int, eps: float, warps: int, table_ref, x_ref, residual_ref,
                     weight_ref, normed_ref, residual_out_ref):
-  """The fused op (ffi/rmsnorm.h's math) on a row, or on its plan.split-th
-  part, per program."""
+  """The fused op (ffi/rmsnorm.h's math) on a row, or a 1/plan.split part
+  of one, per program."""
   x_words = x_ref[...]
-  new = {}
+  new = {}  # the new residual: _exchange needs the row's share of squares before the call ends
 
   def share(cells, rank):  # residual_out = round(sum + residual), one rounding; the norm reads it rounded
     parts = [c if plan.loopback else jnp.where(rank == q, x_words, c) for q, (c,) in enumerate(cells)]

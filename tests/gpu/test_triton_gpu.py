@@ -116,7 +116,7 @@ def test_an_executable_of_an_earlier_preparation_stops_with_nan_and_an_error():
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 def test_the_fused_kernel_matches_float64_and_rounds_the_residual_once(dtype_name):
-  # Rows of 1 to 64, a row over 1 to 8 programs; the FFI kernel (float16 has no
+  # Rows of 1 to 64, a row over 1 to 4 programs; the FFI kernel (float16 has no
   # Triton one) runs the same shapes on the same channel in between.
   from helpers import DTYPES, assert_residual_rmsnorm_matches, residual_rmsnorm_fn, residual_rmsnorm_inputs
   mesh = _mesh()
