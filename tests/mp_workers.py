@@ -270,8 +270,10 @@ def residual_rmsnorm_mode(args) -> dict:
 
 def never_calls_mode(args) -> dict:
   """Every process prepares channel "lonely" (by lowering the same
-  all-reduce, or with --op dcp_a2a the same DCP merge of a decode-sized
-  call), then the last process never calls it: each other one must
+  all-reduce, with --op dcp_a2a the same DCP merge of a decode-sized call,
+  with --op residual_rmsnorm the fused op on a row of 4096 float32 words,
+  which the Triton kernel spreads over 4 programs), then the last process
+  never calls it: each other one must
   get the timeout error naming the channel, its rank, the peer and the
   epoch, within a bounded time, twice (the second call fails fast on the
   poisoned channel), and on CUDA NaN outputs, never a number. The last
@@ -288,15 +290,20 @@ def never_calls_mode(args) -> dict:
                                           poison_outputs=True))
   mesh = _mesh()
   me = jax.process_index()
-  sharded = NamedSharding(mesh, P("x"))
+  specs = (P("x"), P("x"))
   if args.op == "dcp_a2a":  # bfloat16 [2, 4 heads per rank, 64] in the Lamport window
     import jax.numpy as jnp
     inputs = (np.ones((2, 4 * jax.device_count(), 64), jnp.bfloat16), np.zeros((2, 4 * jax.device_count()), np.float32))
-    fn = jax.jit(jax.shard_map(lambda o, l: b12x_jax.dcp_a2a(o, l, "x"), mesh=mesh, in_specs=(P("x"), P("x")),
+    fn = jax.jit(jax.shard_map(lambda o, l: b12x_jax.dcp_a2a(o, l, "x"), mesh=mesh, in_specs=specs,
                                out_specs=P("x")))
+  elif args.op == "residual_rmsnorm":  # x [1 row per rank], residual and weight replicated
+    inputs = (np.ones((1, 1, 4096), np.float32), np.ones((1, 4096), np.float32), np.ones(4096, np.float32))
+    specs = (P("x"), P(), P())
+    fn = jax.jit(jax.shard_map(lambda x, r, w: b12x_jax.all_reduce_residual_rmsnorm(x[0], r, w, "x")[0], mesh=mesh,
+                               in_specs=specs, out_specs=P()))
   else:
     inputs, fn = (np.ones(4096, np.float32),), _reducer(mesh, b12x_jax.all_reduce)
-  x = [jax.make_array_from_process_local_data(sharded, a) for a in inputs]
+  x = [jax.make_array_from_process_local_data(NamedSharding(mesh, spec), a) for a, spec in zip(inputs, specs)]
   with b12x_jax.channel("lonely"):
     call = fn.lower(*x).compile()  # prepares the channel, collectively
   if me == jax.process_count() - 1:
@@ -921,7 +928,7 @@ def main() -> None:
   parser.add_argument("--communicator", default="{}")  # every process's Communicator arguments (JSON)
   parser.add_argument("--communicators", default="[]")  # settings mode: one process's each, over --communicator
   parser.add_argument("--configs", default="[{}]")  # all_reduce mode: Communicators run in turn
-  parser.add_argument("--op", default="all_reduce", choices=["all_reduce", "dcp_a2a"])  # never_calls mode's op
+  parser.add_argument("--op", default="all_reduce", choices=["all_reduce", "dcp_a2a", "residual_rmsnorm"])  # never_calls
   parser.add_argument("--wrap", action="store_true")  # residual_rmsnorm, dcp modes: start the counters 5 calls before the wrap
   args = parser.parse_args()
   sys.path.insert(0, os.path.dirname(__file__))

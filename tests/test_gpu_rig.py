@@ -119,7 +119,7 @@ def test_the_triton_kernel_matches_float64_the_ffi_bits_and_interleaves_with_ffi
   assert {r["epoch"] for r in results} == {(2 * (2**32 - 5) + 10) % 2**32}, results  # both counters wrapped
 
 
-@pytest.mark.parametrize("op", ["all_reduce", "dcp_a2a"])
+@pytest.mark.parametrize("op", ["all_reduce", "dcp_a2a", "residual_rmsnorm"])  # the fused op's row split
 @pytest.mark.parametrize("n", WORLDS)
 def test_a_rank_that_never_calls_the_triton_kernel_gives_the_others_the_timeout_error_and_nan(gpu_rig, n, op):
   check_never_calls(gpu_rig("never_calls", n, "--timeout", "2", "--op", op, communicator={"kernels": "triton"}),

@@ -46,7 +46,7 @@ def test_the_fused_op_across_processes_matches_float64_with_identical_bits(multi
   assert results[0]["hashes"] == results[1]["hashes"] and len(results[0]["hashes"]) == 12
 
 
-@pytest.mark.parametrize("op", ["all_reduce", "dcp_a2a"])
+@pytest.mark.parametrize("op", ["all_reduce", "dcp_a2a", "residual_rmsnorm"])
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_process_that_prepared_but_never_calls_gives_the_others_the_timeout_error(multiprocess, n, op):
   results = multiprocess("never_calls", n, "--timeout", "2", "--op", op)
