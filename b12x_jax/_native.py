@@ -121,6 +121,14 @@ def dcp_lamport_plan(cell_bytes: int, max_blocks: int, batch: int, heads: int, w
   return int(grid), int(per_block), tuple(int(t) for t in tag)
 
 
+def dcp_tag_limits() -> tuple[int, int]:
+  """(heads, row bytes): the largest H and row of out [B, H, D] a dcp_a2a
+  call's tag carries (ffi/dcp.h dcp_tag_algorithm); larger calls take
+  all_to_all."""
+  heads, row_bytes = _b12x.dcp_tag_limits()
+  return int(heads), int(row_bytes)
+
+
 def share(platform: str, channel: str, partition: str, ordinals: list[int], options):
   """Allocates, zero-fills and exports this process's ranks of a channel
   shared with other processes (``ordinals[r]`` is -1 for a rank another

@@ -159,7 +159,8 @@ NB_MODULE(_b12x, m) {
 
   m.def("dcp_lamport_plan", [](size_t cell_bytes, int max_blocks, int batch, int heads, int world, size_t row_bytes) {
     if (max_blocks < 1 || max_blocks > kMaxBlocks) throw std::invalid_argument("b12x_jax: blocks must be in [1, 64]");
-    if (world < 1 || world > kMaxRanks || heads % world != 0 || row_bytes % kPackBytes != 0) {
+    if (world < 1 || world > kMaxRanks || heads % world != 0 || row_bytes % kPackBytes != 0 || heads > kDcpMaxTagHeads ||
+        row_bytes / kPackBytes > static_cast<size_t>(kDcpMaxTagRowPacks)) {
       return nb::make_tuple(0, 0, nb::make_tuple(0, 0, 0, 0));  // no channel serves the call
     }
     const StagingLayout cells{cell_bytes, world, max_blocks, kLamportBuffers};
@@ -171,7 +172,11 @@ NB_MODULE(_b12x, m) {
      nb::arg("row_bytes"),
      "(grid, rows per block, tag) of a dcp_a2a call of out [batch, heads, row_bytes] in the Lamport cells of "
      "`cell_bytes` of `max_blocks` blocks (ffi/dcp.h plan_dcp_lamport); grid 0 where the rows do not fit or no "
-     "channel serves the call (more than 8 ranks, heads not a multiple of them, rows not of whole packs).");
+     "channel serves the call (more than 8 ranks, heads not a multiple of them, rows not of whole packs, beyond "
+     "dcp_tag_limits).");
+
+  m.def("dcp_tag_limits", [] { return nb::make_tuple(kDcpMaxTagHeads, kDcpMaxTagRowPacks * kPackBytes); },
+        "(heads, row bytes): the largest H and row of out a dcp_a2a call tag carries (ffi/dcp.h dcp_tag_algorithm).");
 
   m.def("prepare_host", [](const std::string& channel, const std::string& partition, std::vector<int> ordinals,
                            const ChannelOptions& options) {

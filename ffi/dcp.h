@@ -60,12 +60,18 @@ struct DcpCell {
 
 // The algorithm word of a dcp_a2a tag: the protocol in bits 0-1 (0: the
 // barrier, Algorithm::kLamport), H in bits 2-16, D's packs in bits 17-30
-// (masked: never the Lamport empty word 0xFFFFFFFF).
+// (never the Lamport empty word 0xFFFFFFFF). Calls beyond these limits are
+// refused (dcp_call_shape; the Python layer takes all_to_all): masked, their
+// tags would alias other shapes'.
+inline constexpr int kDcpMaxTagHeads = 0x7FFF;
+inline constexpr int kDcpMaxTagRowPacks = 0x3FFF;
 B12X_HD uint32_t dcp_tag_algorithm(bool lamport, int heads, int row_packs) {
   const uint32_t protocol = lamport ? static_cast<uint32_t>(Algorithm::kLamport) : 0u;
-  return protocol | (static_cast<uint32_t>(heads) & 0x7FFFu) << 2 | (static_cast<uint32_t>(row_packs) & 0x3FFFu) << 17;
+  return protocol | static_cast<uint32_t>(heads) << 2 | static_cast<uint32_t>(row_packs) << 17;
 }
 B12X_HD bool dcp_tag_lamport(uint32_t algorithm) { return (algorithm & 3u) == static_cast<uint32_t>(Algorithm::kLamport); }
+B12X_HD int dcp_tag_heads(uint32_t algorithm) { return static_cast<int>((algorithm >> 2) & kDcpMaxTagHeads); }
+B12X_HD int dcp_tag_row_packs(uint32_t algorithm) { return static_cast<int>((algorithm >> 17) & kDcpMaxTagRowPacks); }
 
 // How a call spreads its rows over blocks: block b owns rows
 // [b * per_block, min((b + 1) * per_block, rows)) on every rank, and stages
@@ -103,16 +109,12 @@ B12X_HD DcpPlan plan_dcp(const DcpShape& s, const StagingLayout& layout, int wan
   return {g, static_cast<int>((rows + grid - 1) / grid), false};  // <= fit, since grid >= rows / fit
 }
 
-// Result bytes a Lamport block takes before the heads of a batch row are
-// split over more blocks: as the all-reduce's kLamportBytesPerBlock, more
-// blocks poll more of the peers' data at once.
-inline constexpr size_t kDcpLamportBytesPerBlock = 4 * 1024;
-
 // The Lamport plan of a call (docs/DESIGN.md, "DCP in the Lamport window"),
 // or grid 0 where its rows do not fit the Lamport cells. A block owns whole
 // batch rows (all H/N heads of ceil(B / blocks) of them) where B exceeds
 // the blocks, else the heads of one batch row halved while a block takes
-// more than kDcpLamportBytesPerBlock (or overflows its cell) and the grid
+// more than the all-reduce's kLamportBytesPerBlock (more blocks poll more of
+// the peers' data at once; or overflows its cell) and the grid
 // stays within the blocks: so with B <= blocks a block's rows are always a
 // contiguous run of one batch row's heads, which the Triton kernel tiles.
 // Depends only on the shape and the layout, so every rank plans the same.
@@ -123,7 +125,7 @@ B12X_HD DcpPlan plan_dcp_lamport(const DcpShape& s, const StagingLayout& cells) 
   int per_block = heads * ((s.batch + cells.max_blocks - 1) / cells.max_blocks);
   if (s.batch <= cells.max_blocks) {
     while (per_block % 2 == 0 && s.rows() / (per_block / 2) <= cells.max_blocks &&
-           (!fits(per_block) || static_cast<size_t>(per_block) * s.row_bytes() > kDcpLamportBytesPerBlock)) {
+           (!fits(per_block) || static_cast<size_t>(per_block) * s.row_bytes() > kLamportBytesPerBlock)) {
       per_block /= 2;
     }
   }

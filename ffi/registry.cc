@@ -153,8 +153,8 @@ std::string describe(const CallTag& tag) {
   static const char* const algorithms[] = {"one_shot", "two_shot", "one_shot_pull", "lamport"};
   const std::string op = tag.op < 4 ? ops[tag.op] : "op " + std::to_string(tag.op);
   const bool dcp = tag.op == static_cast<uint32_t>(Op::kDcpA2a);
-  std::string how = dcp ? std::to_string((tag.algorithm >> 2) & 0x7FFFu) + " heads of " +
-                              std::to_string(((tag.algorithm >> 17) & 0x3FFFu) * kPackBytes) + " bytes, " +
+  std::string how = dcp ? std::to_string(dcp_tag_heads(tag.algorithm)) + " heads of " +
+                              std::to_string(dcp_tag_row_packs(tag.algorithm) * kPackBytes) + " bytes, " +
                               (dcp_tag_lamport(tag.algorithm) ? "lamport, " : "")
                     : tag.algorithm < 4 ? std::string(algorithms[tag.algorithm]) + ", "
                                         : "algorithm " + std::to_string(tag.algorithm) + ", ";

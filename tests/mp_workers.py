@@ -92,18 +92,12 @@ def _mapped_shm() -> list[str]:
 
 
 def _assert_head_shard(got, got_lse, outs, want, want_lse, mine: slice, dtype: str = "bfloat16") -> None:
-  """This rank's head shard of a DCP merge ([B, H/n, D] and [B, H/n])
-  against the full attention ``want`` [B, H, D] (helpers.attention_shards):
-  out within two roundings of ``dtype`` of the largest partial output of
-  its row, lse within fp32 math."""
-  import numpy as np
-  from helpers import RTOL
-  got = got.astype(np.float64)
-  row_scale = np.nan_to_num(np.abs(outs.astype(np.float64)), nan=0.0).max(axis=(0, -1))[:, mine]
-  assert np.all(np.isfinite(got)), "non-finite output"
-  err = np.abs(got - want[:, mine]).max(axis=-1)
-  assert np.all(err <= 2 * RTOL[dtype] * row_scale + 1e-6), f"error {err.max()}"
-  np.testing.assert_allclose(got_lse, want_lse[:, mine], rtol=1e-5, atol=1e-5)
+  """This rank's head shard of a DCP merge ([B, H/n, D], and [B, H/n] or
+  None) against the full attention ``want`` [B, H, D]
+  (helpers.assert_merge_matches on the heads ``mine``)."""
+  from helpers import assert_merge_matches
+  assert_merge_matches(got[None], None if got_lse is None else got_lse[None], outs[:, :, mine], want[:, mine],
+                       want_lse[:, mine], dtype)
 
 
 # -- modes -----------------------------------------------------------------------
@@ -178,12 +172,14 @@ DCP_CASES = (("bfloat16", 1, 8, 128), ("bfloat16", 8, 4, 128), ("bfloat16", 3, 4
 
 def dcp_mode(args) -> dict:
   """dcp_a2a across processes, each process feeding its own KV shard's
-  partial attention: every DCP_CASES shape twice, interleaved on one
+  partial attention: every DCP_CASES shape twice (with the merged lse in
+  base e, then without it from base-2 lse), interleaved on one
   channel (with lamport_bytes=0 in --communicator, on the barrier
   protocol; with kernels="triton", bfloat16 on the Triton kernel on CUDA),
   from 5 calls below the counters' wrap with --wrap; this process's head
   shard against full attention in float64 (an empty shard with NaN payload
-  included). Returns each case's kernels and the channel's epoch."""
+  included). Returns each case's kernels and protocols and the channel's
+  epoch."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -197,31 +193,43 @@ def dcp_mode(args) -> dict:
   b12x_jax.set_communicator(comm)
   mesh = _mesh()
   n, me = jax.device_count(), jax.process_index()
-  fn = jax.jit(jax.shard_map(lambda o, l: b12x_jax.dcp_a2a(o, l, "x", return_lse=True), mesh=mesh,
-                             in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x"))))
+  # Round 1 returns the merged lse in base e, round 2 only the merged out, from base-2 lse.
+  variants = ((True, "e"), (False, "2"))
+  fns = {(return_lse, base): jax.jit(jax.shard_map(
+      lambda o, l, return_lse=return_lse, base=base: b12x_jax.dcp_a2a(o, l, "x", return_lse=return_lse, lse_base=base),
+      mesh=mesh, in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x")) if return_lse else P("x")))
+         for return_lse, base in variants}
   if args.wrap:
     comm.prepare(mesh, "x", channels=["mp_dcp"])
     comm._start_counters("mp_dcp", 2**32 - 5)
     _compat.distributed_client().wait_at_barrier("b12x_jax_dcp_wrap_counters", 60_000)
   rng = np.random.default_rng(0)  # the same shards in every process
   kernels: dict[str, list[str]] = {}
+  protocols: dict[str, str] = {}
   with b12x_jax.channel("mp_dcp"):
-    for _ in range(2):
+    for return_lse, base in variants:
       for dtype, batch, per_rank, dim in DCP_CASES:
         heads = per_rank * n
         mine = slice(me * per_rank, (me + 1) * per_rank)
         outs, lses, want, want_lse = attention_shards(rng, n, batch, heads, dim, jnp.dtype(dtype),
-                                                      empty=((0, 0, 0),))
+                                                      base2=base == "2", empty=((0, 0, 0),))
         o, l = (jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), a[me]) for a in (outs, lses))
         decided = len(comm.decisions)
-        got, got_lse = (np.asarray(r.addressable_shards[0].data) for r in fn(o, l))
+        results = fns[return_lse, base](o, l)
+        got, got_lse = (np.asarray(r.addressable_shards[0].data) for r in results) if return_lse else (
+            np.asarray(results.addressable_shards[0].data), None)
         _assert_head_shard(got, got_lse, outs, want, want_lse, mine, dtype)
-        # Traced once per shape (the second round runs the cached executable): its decisions.
+        # Each variant traced once per shape: its decisions.
         for decision in comm.decisions[decided:]:
           assert decision.path == "b12x", decision
           kernels.setdefault(f"{dtype}/{batch}x{heads}x{dim}", []).append(decision.kernel)
+          protocols[f"{dtype}/{batch}x{heads}x{dim}"] = "lamport" if "; lamport (" in decision.reason else "barrier"
   b12x_jax.check_errors()
-  return {"rank": me, "kernels": kernels, "epoch": comm.stats("mp_dcp", jax.local_devices()[0])["epoch"]}
+  return {"rank": me, "kernels": kernels, "protocols": protocols,
+          "epoch": comm.stats("mp_dcp", jax.local_devices()[0])["epoch"]}
+
+
+FUSED_CASES = ((1, 4096), (8, 1024), (5, 2048), (7, 128), (3, 16), (2, 8192))
 
 
 def residual_rmsnorm_mode(args) -> dict:
@@ -231,7 +239,10 @@ def residual_rmsnorm_mode(args) -> dict:
   inputs. Returns the hashes of the results, for the test to compare, and
   the kernel kinds each call's decisions name (at trace time, and a
   lowering's fallback). With ``--wrap`` the calls cross the uint32 wrap of
-  the counters (the hook, a barrier, then the calls)."""
+  the counters (the hook, a barrier, then the calls), twice over the shapes:
+  the Triton kernel's split rows (float32 1 x 4096, 2 x 8192, bfloat16
+  2 x 8192) meet 6 times on block 0, whose meeting word starts 5 before its
+  wrap."""
   import jax
   import numpy as np
   from jax.sharding import NamedSharding
@@ -251,9 +262,10 @@ def residual_rmsnorm_mode(args) -> dict:
   rng = np.random.default_rng(6)  # the same inputs in every process
   hashes, kernels = {}, {}
   with b12x_jax.channel("mp_fused"):
-    for dtype_name in DTYPES:
-      # Inside the Lamport cells of 64 blocks; 7 rows of 128: rows narrower than the Triton kernel's threads.
-      for rows, hidden in [(1, 4096), (8, 1024), (5, 2048), (7, 128)]:
+    for _, dtype_name in itertools.product(range(2 if args.wrap else 1), DTYPES):
+      # Inside the Lamport cells of 64 blocks. 3 rows of 16: rows narrower than a warp (the Triton
+      # kernel reads them again after its polls); 4096 words or more: a row over several programs.
+      for rows, hidden in FUSED_CASES:
         decided = len(comm.decisions)
         shards, residual, weight = residual_rmsnorm_inputs(rng, jax.device_count(), rows, hidden, dtype_name)
         x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), shards[me:me + 1])
@@ -263,7 +275,7 @@ def residual_rmsnorm_mode(args) -> dict:
         fused = [d for d in comm.decisions if d.op == "all_reduce_residual_rmsnorm"][-1]
         assert fused.path == "b12x", fused
         hashes[f"{dtype_name}/{rows}x{hidden}"] = hashlib.sha256(normed.tobytes() + new_residual.tobytes()).hexdigest()
-        kernels[f"{dtype_name}/{rows}x{hidden}"] = [d.kernel for d in comm.decisions[decided:]]
+        kernels.setdefault(f"{dtype_name}/{rows}x{hidden}", [d.kernel for d in comm.decisions[decided:]])
   b12x_jax.check_errors()
   return {"hashes": hashes, "kernels": kernels, "epoch": comm.stats("mp_fused", jax.local_devices()[0])["epoch"]}
 
@@ -306,8 +318,9 @@ def never_calls_mode(args) -> dict:
   x = [jax.make_array_from_process_local_data(NamedSharding(mesh, spec), a) for a, spec in zip(inputs, specs)]
   with b12x_jax.channel("lonely"):
     call = fn.lower(*x).compile()  # prepares the channel, collectively
+  kernels = sorted({d.kernel for d in b12x_jax.get_communicator().decisions if d.kernel})
   if me == jax.process_count() - 1:
-    return {"called": False}
+    return {"called": False, "kernels": kernels}
   messages, nan_outputs = [], []
   start = time.monotonic()
   for _ in range(2):
@@ -317,7 +330,8 @@ def never_calls_mode(args) -> dict:
       b12x_jax.check_errors()  # CUDA: the timed-out kernel leaves NaN and this record
     except Exception as e:  # noqa: BLE001 - CPU raises from the call (an XLA runtime error), CUDA from check_errors
       messages.append(str(e))
-  return {"called": True, "messages": messages, "nan_outputs": nan_outputs, "seconds": time.monotonic() - start}
+  return {"called": True, "messages": messages, "nan_outputs": nan_outputs, "seconds": time.monotonic() - start,
+          "kernels": kernels}
 
 
 def order_mode(args) -> dict:

@@ -216,6 +216,17 @@ def test_rows_above_the_staging_capacity_fall_back(cpu_mesh):
   assert_merge_matches(got, None, outs, want, want_lse, "bfloat16")
 
 
+def test_more_heads_than_a_call_tag_carries_fall_back(cpu_mesh):
+  # The tag's 15 bits of H: beyond them two shapes would share a tag (and a cell layout), so peers at
+  # other shapes could merge each other's rows without an error. B=1, H=32768 of 16-byte rows.
+  mesh = cpu_mesh(2)
+  outs, lses, want, want_lse = attention_shards(np.random.default_rng(33), 2, 1, 32768, 8, jnp.bfloat16, kv=2)
+  with b12x_jax.channel("many-heads"):
+    (got,) = _run(_per_rank(mesh), mesh, outs, lses)
+  assert _decision().path == "all_to_all" and "a b12x call tag carries at most 32767 heads" in _decision().reason
+  assert_merge_matches(got, None, outs, want, want_lse, "bfloat16")
+
+
 def test_misaligned_rows_under_strict_policy_are_a_clear_error(cpu_mesh):
   mesh = cpu_mesh(2)
   comm = b12x_jax.get_communicator()

@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 
+from mp_workers import FUSED_CASES
 from test_multiprocess import (ALL_REDUCE_CONFIGS, check_all_reduce_configs, check_dcp, check_drop_in, check_loops,
                                check_never_calls, dcp_options)
 
@@ -37,19 +38,19 @@ def test_dcp_a2a_matches_float64_full_attention_across_the_wrap(gpu_rig, n, prot
   if protocol == "barrier" and kernels == "triton":
     pytest.skip("the barrier protocol has no Triton kernel")
   results = gpu_rig("dcp", n, "--wrap", communicator=json.loads(dcp_options(protocol, kernels=kernels)))
-  check_dcp(results, wrap=True, triton=kernels == "triton" and protocol == "lamport")
+  check_dcp(results, wrap=True, protocol=protocol, triton=kernels == "triton" and protocol == "lamport")
 
 
 @pytest.mark.parametrize("n", WORLDS)
 def test_the_triton_dcp_merge_runs_with_cuda_graphs_off(gpu_rig, n):
   results = gpu_rig("dcp", n, env=GRAPHS_OFF, communicator=json.loads(dcp_options("lamport", kernels="triton")))
-  check_dcp(results, wrap=False, triton=True)
+  check_dcp(results, wrap=False, protocol="lamport", triton=True)
 
 
 @pytest.mark.parametrize("n", WORLDS)
 def test_the_fused_op_matches_float64_with_identical_bits(gpu_rig, n):
   results = gpu_rig("residual_rmsnorm", n, communicator={"poison_outputs": True})
-  assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == 12
+  assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == 3 * len(FUSED_CASES)
 
 
 @pytest.mark.parametrize("graphs", ["on", "off"])
@@ -58,9 +59,10 @@ def test_the_triton_fused_op_matches_float64_with_identical_bits_across_the_wrap
   results = gpu_rig("residual_rmsnorm", n, "--wrap", env=GRAPHS_OFF if graphs == "off" else None,
                     communicator={"poison_outputs": True, "kernels": "triton", "timeout_s": 5.0,
                                   "setup_timeout_s": 20.0})
-  assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == 12
-  # 12 calls from 5 before the wrap: the FFI (float16) calls and the Triton ones share the channel's counters.
-  assert {r["epoch"] for r in results} == {(2 * (2**32 - 5) + 12) % 2**32}, results  # both counters wrapped
+  cases = 3 * len(FUSED_CASES)  # dtypes x shapes, twice: from 5 before the wrap, the split rows' meeting words too
+  assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == cases
+  # The FFI (float16) calls and the Triton ones share the channel's counters.
+  assert {r["epoch"] for r in results} == {(2 * (2**32 - 5) + 2 * cases) % 2**32}, results  # both counters wrapped
   for case, kinds in results[0]["kernels"].items():  # float16 has no Triton kernel: the FFI one ran it
     assert kinds == (["ffi"] if case.startswith("float16") else ["triton"]), (case, kinds)
 
@@ -122,8 +124,9 @@ def test_the_triton_kernel_matches_float64_the_ffi_bits_and_interleaves_with_ffi
 @pytest.mark.parametrize("op", ["all_reduce", "dcp_a2a", "residual_rmsnorm"])  # the fused op's row split
 @pytest.mark.parametrize("n", WORLDS)
 def test_a_rank_that_never_calls_the_triton_kernel_gives_the_others_the_timeout_error_and_nan(gpu_rig, n, op):
-  check_never_calls(gpu_rig("never_calls", n, "--timeout", "2", "--op", op, communicator={"kernels": "triton"}),
-                    "2", "cuda")
+  results = gpu_rig("never_calls", n, "--timeout", "2", "--op", op, communicator={"kernels": "triton"})
+  check_never_calls(results, "2", "cuda")
+  assert all(r["kernels"] == ["triton"] for r in results), results
 
 
 @pytest.mark.parametrize("poison", [False, True])

@@ -43,7 +43,8 @@ def test_all_reduce_across_processes_under_each_algorithm_matches_float64(multip
 
 def test_the_fused_op_across_processes_matches_float64_with_identical_bits(multiprocess):
   results = multiprocess("residual_rmsnorm", 2, "--communicator", json.dumps({"poison_outputs": True}))
-  assert results[0]["hashes"] == results[1]["hashes"] and len(results[0]["hashes"]) == 12
+  from mp_workers import FUSED_CASES
+  assert results[0]["hashes"] == results[1]["hashes"] and len(results[0]["hashes"]) == 3 * len(FUSED_CASES)
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "dcp_a2a", "residual_rmsnorm"])
@@ -66,12 +67,14 @@ def dcp_options(protocol: str, **options) -> str:
   return json.dumps({"poison_outputs": True, **({"lamport_bytes": 0} if protocol == "barrier" else {}), **options})
 
 
-def check_dcp(results: list[dict], wrap: bool, triton: bool = False) -> None:
+def check_dcp(results: list[dict], wrap: bool, protocol: str, triton: bool = False) -> None:
   """dcp mode's results: every rank checked its calls and counted them
   alike (from 5 below the wrap with ``wrap``: both counters crossed it);
-  with ``triton``, bfloat16 calls of B <= 8 (a block per batch row's heads
-  on the rig's blocks) in the Lamport window ran the Triton kernel and the
-  rest the FFI one (one decision per shape: its executable is traced
+  on ``protocol`` "barrier" (lamport_bytes=0) every call took the barrier
+  protocol, on "lamport" the decode-sized ones (B <= 8) the Lamport
+  exchange; with ``triton``, bfloat16 calls of B <= 8 (a block per batch
+  row's heads on the rig's blocks) ran the Triton kernel and the rest the
+  FFI one (one decision per shape and variant: each executable is traced
   once), else all the FFI one."""
   from mp_workers import DCP_CASES
   calls = 2 * len(DCP_CASES)
@@ -80,15 +83,18 @@ def check_dcp(results: list[dict], wrap: bool, triton: bool = False) -> None:
   assert len(results[0]["kernels"]) == len(DCP_CASES), results[0]
   for case, kinds in results[0]["kernels"].items():
     dtype, shape = case.split("/")
-    takes_triton = triton and dtype == "bfloat16" and int(shape.split("x")[0]) <= 8
-    assert kinds == ["triton" if takes_triton else "ffi"], (case, kinds)
+    decode_sized = int(shape.split("x")[0]) <= 8
+    takes_triton = triton and dtype == "bfloat16" and decode_sized
+    assert kinds == ["triton" if takes_triton else "ffi"] * 2, (case, kinds)  # each variant's
+    if protocol == "barrier" or decode_sized:
+      assert results[0]["protocols"][case] == protocol, (case, results[0]["protocols"])
 
 
 @pytest.mark.parametrize("wrap", [False, True], ids=["", "across-the-wrap"])
 @pytest.mark.parametrize("protocol", ["lamport", "barrier"])
 def test_dcp_a2a_across_processes_matches_full_attention(multiprocess, protocol, wrap):
   results = multiprocess("dcp", 2, "--communicator", dcp_options(protocol), *(["--wrap"] if wrap else []))
-  check_dcp(results, wrap)
+  check_dcp(results, wrap, protocol)
 
 
 def test_channels_requested_in_different_orders_still_pair_by_name(multiprocess):
@@ -220,7 +226,7 @@ def check_never_calls(results: list[dict], timeout: str, platform: str) -> None:
   raises."""
   *callers, absent = results
   victim = len(results) - 1
-  assert absent == {"called": False}
+  assert absent["called"] is False
   for rank, r in enumerate(callers):
     assert len(r["messages"]) == 2, r
     assert r["nan_outputs"] == [] if platform == "cpu" else r["nan_outputs"] and all(r["nan_outputs"]), r
@@ -272,9 +278,11 @@ def test_every_process_lowers_one_program_with_every_devices_triton_addresses(mu
 
 
 def test_the_fused_op_is_right_across_the_counter_wrap_between_processes(multiprocess):
+  from mp_workers import FUSED_CASES
   results = multiprocess("residual_rmsnorm", 2, "--wrap", "--communicator", json.dumps({"poison_outputs": True}))
-  assert results[0]["hashes"] == results[1]["hashes"] and len(results[0]["hashes"]) == 12, results
-  assert {r["epoch"] for r in results} == {(2 * (2**32 - 5) + 12) % 2**32}, results  # both counters wrapped
+  cases = 3 * len(FUSED_CASES)  # dtypes x shapes, run twice with --wrap
+  assert results[0]["hashes"] == results[1]["hashes"] and len(results[0]["hashes"]) == cases, results
+  assert {r["epoch"] for r in results} == {(2 * (2**32 - 5) + 2 * cases) % 2**32}, results  # both counters wrapped
 
 
 def check_loops(results: list[dict], kinds: list[str]) -> None:

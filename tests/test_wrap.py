@@ -18,7 +18,7 @@ CALLS = 12
 def test_every_path_is_right_across_the_counter_wrap(cpu_mesh, n, algorithm):
   with fresh_communicator(**communicator_options(algorithm)) as comm:
     result = run_across_wrap(comm, cpu_mesh(n), f"wrap{n}", CALLS, seed=n)
-  assert result["paths"] == ["b12x"], result
+  assert result["paths"] == ["b12x"] and result["dcp_protocols"] == ["lamport", "barrier"], result
   assert result["epoch"] == expected_epoch(algorithm, CALLS), result  # the hook took, and the counters wrapped
   assert result["epoch"] < START  # mod 2**32: past the wrap
 

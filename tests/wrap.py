@@ -78,7 +78,10 @@ def run_across_wrap(comm, mesh, channel: str, calls: int, seed: int, start: int 
         assert_merge_matches(np.asarray(merged, np.float32), np.asarray(merged_lse), outs, want_out, want_lse,
                              "bfloat16")
   b12x_jax.check_errors()
-  return {"paths": sorted(paths), "epoch": comm.stats(channel, mesh.devices.flat[0])["epoch"]}
+  dcp_protocols = ["lamport" if "; lamport (" in d.reason else "barrier" for d in comm.decisions
+                   if d.op == "dcp_a2a" and d.channel == channel]  # DCP, then DCP_LARGE (each traced once)
+  return {"paths": sorted(paths), "dcp_protocols": dcp_protocols,
+          "epoch": comm.stats(channel, mesh.devices.flat[0])["epoch"]}
 
 
 def expected_epoch(algorithm: str, calls: int, start: int = START) -> int:

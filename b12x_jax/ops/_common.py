@@ -31,7 +31,7 @@ def axis_size(axis_name: str, op: str) -> int:
 
 
 # Largest grid of a channel (ffi/channel.h kMaxBlocks).
-_MAX_BLOCKS = 64
+MAX_BLOCKS = 64
 
 
 def channel_blocks(max_blocks: int | None) -> int:
@@ -40,10 +40,10 @@ def channel_blocks(max_blocks: int | None) -> int:
   min(64, the SM count of the smallest visible GPU); without one, the host
   backend's single block (cpu/host_channel.cc)."""
   try:
-    sms = [getattr(d, "core_count", _MAX_BLOCKS) for d in jax.devices("gpu")]
+    sms = [getattr(d, "core_count", MAX_BLOCKS) for d in jax.devices("gpu")]
   except RuntimeError:
     return 1
-  return max_blocks if max_blocks is not None else min([_MAX_BLOCKS, *sms])
+  return max_blocks if max_blocks is not None else min([MAX_BLOCKS, *sms])
 
 
 def why_not_a_mesh_axis(axis_name: str) -> tuple[str, str] | None:

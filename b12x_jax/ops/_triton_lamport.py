@@ -119,13 +119,12 @@ class Plan:
 _DTYPES = {"float32": 0x7FC00000, "bfloat16": 0x7FFF7FFF}
 
 
-def why_not(op: str, dtype, nbytes: int, window: int | None) -> str | None:
-  """Why no Triton kernel takes this call (decided at trace time), or None;
-  ``window``: the Lamport window the payload must fit (None: the op checked
-  its own). What only the prepared channel knows (its plan) is checked by
-  ``call_for`` when lowering."""
-  if op not in ("all_reduce", "all_reduce_residual_rmsnorm"):
-    return f"no Triton kernel for {op}"
+def why_not(dtype, nbytes: int, window: int | None) -> str | None:
+  """Why no Triton kernel takes this all_reduce or fused call (decided at
+  trace time; dcp_a2a's: dcp_problem), or None; ``window``: the Lamport
+  window the payload must fit (None: the op checked its own). What only the
+  prepared channel knows (its plan) is checked by ``call_for`` when
+  lowering."""
   if np.dtype(dtype).name not in _DTYPES:
     return f"no Triton kernel for dtype {np.dtype(dtype).name} (float32 and bfloat16 only)"
   if nbytes % 4:
@@ -193,8 +192,10 @@ def dcp_problem(dtype, heads: int, world: int, row_bytes: int, grid: int, per_bl
   if shard_heads % per_block or per_block & (per_block - 1) or row_words & (row_words - 1):
     return (f"blocks of {per_block} rows of {row_bytes} bytes ({shard_heads} heads per rank) are not "
             "power-of-two tiles of one batch row's heads (the Triton kernel's)")
-  if per_block * row_words > MAX_TILE_WORDS:
-    return f"a block of {per_block} rows of {row_bytes} bytes exceeds the Triton kernel's tiles of {MAX_TILE_WORDS} words"
+  cell_words = 4 * -(-(per_block * row_words + per_block) // 4)  # the rows, their lse, the pad (_exchange)
+  if cell_words > MAX_TILE_WORDS:
+    return (f"a block of {per_block} rows of {row_bytes} bytes and their lse exceeds the Triton kernel's tiles "
+            f"of {MAX_TILE_WORDS} words")
   return None
 
 

@@ -144,7 +144,7 @@ def _all_reduce_leaf(x: jax.Array, axis_name, axis_index_groups, channel: str | 
   nbytes = x.size * x.dtype.itemsize
   algorithm, why, psum_is_faster = _algorithm(comm, nbytes, size)
   window = min(comm.lamport_bytes, comm.capacity_bytes)
-  kernel = comm.choose_kernel(_OP, _triton_lamport.why_not(_OP, x.dtype, nbytes, window))
+  kernel = comm.choose_kernel(_OP, _triton_lamport.why_not(x.dtype, nbytes, window))
   decision = comm.choose_path(_OP, name, nbytes, x.dtype, size, detail=f"{detail}; {why}" if detail else why,
                               prefer_fallback=psum_is_faster, kernel=kernel)
   if decision.path == "psum":

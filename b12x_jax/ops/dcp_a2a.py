@@ -11,7 +11,7 @@ from b12x_jax import _compat, _native
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import PACK_BYTES, get_communicator
 from b12x_jax.ops import _triton_lamport
-from b12x_jax.ops._common import (axis_size, batch_size, channel_blocks, collective_primitive,
+from b12x_jax.ops._common import (MAX_BLOCKS, axis_size, batch_size, channel_blocks, collective_primitive,
                                   differentiate_by_fallback, register_batcher, why_not_a_mesh_axis)
 
 _OP = "dcp_a2a"
@@ -19,9 +19,6 @@ _TARGET = "b12x_dcp_a2a"
 _FALLBACK = "all_to_all"
 _OUT_DTYPES = ("bfloat16", "float16")
 _LSE_BASES = ("e", "2")
-# Largest CUDA grid a channel can have (Communicator(max_blocks=None) takes
-# min(64, SM count)); see _staged_bytes.
-_MAX_BLOCKS = 64
 _LSE_BYTES = 4
 
 # -- validation -----------------------------------------------------------------
@@ -54,6 +51,16 @@ def _check_heads(heads: int, size: int, axis_name: str) -> None:
   if heads % size:
     raise ValueError(f"b12x_jax.{_OP}: H={heads} heads must be a multiple of the {size} devices of axis "
                      f"{axis_name!r}; pad the heads to a multiple of {size}")
+
+
+def _why_not_tagged(heads: int, row_bytes: int) -> tuple[str, str] | None:
+  """(reason, fix) where out [B, H, D] is beyond what a call tag carries
+  (a b12x call's peers must tell its shape from others'), else None."""
+  max_heads, max_row_bytes = _native.dcp_tag_limits()
+  if heads <= max_heads and row_bytes <= max_row_bytes:
+    return None
+  return (f"out has H={heads} heads of rows of {row_bytes} bytes; a b12x call tag carries at most {max_heads} "
+          f"heads of {max_row_bytes} bytes", "split H or D of out over calls")
 
 
 def _staged_bytes(rows: int, row_bytes: int, max_blocks: int) -> int:
@@ -108,7 +115,7 @@ def dcp_a2a(out, lse, axis_name: str, *, return_lse: bool = False, lse_base: str
   name = resolve_channel(channel, _OP)
   base2 = lse_base == "2"
   comm = get_communicator()
-  why_not = why_not_a_mesh_axis(axis_name)
+  why_not = why_not_a_mesh_axis(axis_name) or _why_not_tagged(heads, dim * out.dtype.itemsize)
   if size == 1 and not comm.loopback:  # loopback: a group of one runs the exchange too
     results = _merge(out[None], lse[None], base2=base2, return_lse=return_lse)
   elif why_not is not None:
@@ -121,7 +128,8 @@ def dcp_a2a(out, lse, axis_name: str, *, return_lse: bool = False, lse_base: str
     grid, per_block, _ = _native.dcp_lamport_plan(cell, blocks, batch, heads, size, row_bytes)
     lamport = grid > 0  # (0 also for rows not of whole packs, or more ranks than a channel has)
     # In the Lamport window nothing is staged in the barrier protocol's cells.
-    staged = 0 if lamport else _staged_bytes(batch * heads // size, row_bytes, comm.max_blocks or _MAX_BLOCKS)
+    # Counted for the largest grid, so the decision is the same on every machine.
+    staged = 0 if lamport else _staged_bytes(batch * heads // size, row_bytes, comm.max_blocks or MAX_BLOCKS)
     kernel = comm.choose_kernel(_OP, _triton_lamport.dcp_problem(out.dtype, heads, size, row_bytes, grid, per_block)
                                 if lamport else "the call is outside the Lamport window")
     protocol = ("lamport (the rows fit the channel's Lamport cells)" if lamport else

@@ -108,7 +108,7 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
   if exchanges and not_a_mesh_axis is not None:
     comm.outside_window(_OP, name, *not_a_mesh_axis, fallback="unfused")
   elif exchanges and why_not is None:
-    kernel = comm.choose_kernel(_OP, _triton_lamport.why_not(_OP, x.dtype, x.size * x.dtype.itemsize, None) or
+    kernel = comm.choose_kernel(_OP, _triton_lamport.why_not(x.dtype, x.size * x.dtype.itemsize, None) or
                                 _triton_lamport.rows_problem(rows, row_bytes, cell, grid))
     decision = comm.choose_path(_OP, name, x.size * x.dtype.itemsize, x.dtype, size, kernel=kernel)
     if decision.path == "b12x":

@@ -58,10 +58,10 @@ class BarrierAllReduce final : public BarrierCall {
 };
 
 template <DType D>
-class LamportAllReduce final : public LamportHostCall {
+class LamportAllReduce final : public LamportSumCall {
  public:
   LamportAllReduce(RankHandle handle, ffi::Promise promise, const Plan& plan, const Pack* in, Pack* out)
-      : LamportHostCall(handle, std::move(promise), plan.tag(), in, plan.packs), out_(out) {}
+      : LamportSumCall(handle, std::move(promise), plan.tag(), in, plan.packs), out_(out) {}
 
  private:
   void reduce(const ChannelView& v, size_t i, const Pack* staged) override {
@@ -74,15 +74,15 @@ class LamportAllReduce final : public LamportHostCall {
 // The Lamport exchange of the rows with the residual added in the same sum
 // (one rounding), then RMSNorm of every row of residual_out (rmsnorm.h).
 template <DType D>
-class ResidualRmsnormCall final : public LamportHostCall {
+class ResidualRmsnormCall final : public LamportSumCall {
  public:
   ResidualRmsnormCall(RankHandle handle, ffi::Promise promise, const RowsShape& s, const RowsPlan& plan, float eps,
                       const Pack* in, const Pack* residual, const Pack* weight, Pack* normed, Pack* residual_out)
-      : LamportHostCall(handle, std::move(promise), plan.tag(s), in, static_cast<size_t>(s.rows) * s.row_packs),
+      : LamportSumCall(handle, std::move(promise), plan.tag(s), in, static_cast<size_t>(s.rows) * s.row_packs),
         s_(s), eps_(eps), residual_(residual), weight_(weight), normed_(normed), residual_out_(residual_out) {}
 
   void finish(const ChannelView& v) override {
-    LamportHostCall::finish(v);
+    LamportSumCall::finish(v);
     for (int r = 0; r < s_.rows; ++r) {
       const Pack* row = residual_out_ + static_cast<size_t>(r) * s_.row_packs;
       float squares = 0.0f;

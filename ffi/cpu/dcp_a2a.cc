@@ -69,9 +69,11 @@ void merge_rows(const ChannelView& v, const DcpShape& s, const char* const* cell
 using Merger = void (*)(const ChannelView&, const DcpShape&, const char* const*, const Pack*, const float*, Pack*,
                         float*);
 
-// What both protocols' calls hold: the shape, the buffers and the merge.
+// What both protocols' calls hold: the shape, its plan (plan_dcp_call), the
+// buffers and the merge.
 struct DcpArgs {
   DcpShape s;
+  DcpPlan plan;
   Merger merge;
   const Pack* in;
   const float* in_lse;
@@ -90,7 +92,7 @@ struct DcpArgs {
 class DcpCall final : public BarrierCall {
  public:
   DcpCall(RankHandle handle, ffi::Promise promise, const DcpArgs& a)
-      : BarrierCall(handle, std::move(promise), plan_dcp(a.s, handle.view().layout, 1).tag(a.s), 1), a_(a) {}
+      : BarrierCall(handle, std::move(promise), a.plan.tag(a.s), 1), a_(a) {}
 
  private:
   void stage(const ChannelView& v, uint32_t epoch, int /*phase*/) override {
@@ -109,32 +111,38 @@ class DcpCall final : public BarrierCall {
 class LamportDcpCall final : public LamportHostCall {
  public:
   LamportDcpCall(RankHandle handle, ffi::Promise promise, const DcpArgs& a)
-      : LamportHostCall(handle, std::move(promise), plan_dcp_lamport(a.s, handle.view().lamport_layout).tag(a.s),
-                        nullptr, DcpCell{a.s.rows(), a.s.row_packs}.lamport_packs()),
+      : LamportHostCall(handle, std::move(promise), a.plan.tag(a.s), DcpCell{a.s.rows(), a.s.row_packs}.lamport_packs()),
         a_(a) {}
 
+  // The merge reads this call's buffer, which the advance leaves as it is.
   void finish(const ChannelView& v) override {
-    LamportHostCall::finish(v);
+    complete(v);
     a_.merge_from(v, v.lamport[v.rank], v.lamport_layout, call().buffer);
   }
 
  private:
-  Pack part(const ChannelView& /*v*/, int dest, size_t i) const override {
-    return dcp_lamport_pack(a_.s, a_.in, a_.in_lse, dest, 0, a_.s.rows(), i);
+  void push(const ChannelView& v) override {
+    for (size_t i = 0; i < packs(); ++i) {
+      for (int p = 0; p < v.world; ++p) {
+        if (exchanges_with(v, p)) {
+          lamport_push_to<HostMem>(v, call(), p, i, dcp_lamport_pack(a_.s, a_.in, a_.in_lse, p, 0, a_.s.rows(), i));
+        }
+      }
+    }
   }
-  void reduce(const ChannelView&, size_t, const Pack*) override {}  // the merge needs whole rows: finish
 
   DcpArgs a_;
 };
 
-// Empty when the call can run; else why not. Fills `shape` and `out_lse`.
+// Empty when the call can run; else why not. Fills `shape`, its `plan` and `out_lse`.
 std::string check_call(const RankHandle& handle, const ffi::AnyBuffer& x, const ffi::AnyBuffer& lse,
                        const ffi::RemainingRets& rets, bool base2, bool return_lse, DcpShape& shape,
-                       float*& out_lse) {
+                       DcpPlan& plan, float*& out_lse) {
   const ChannelView& v = handle.view();
   std::string problem = dcp_call_shape(x, lse, rets.size(), return_lse, v, base2, shape);
   if (!problem.empty()) return problem;
-  if (plan_dcp_call(shape, v, 1).grid == 0) return dcp_capacity_message(shape, v.layout);
+  plan = plan_dcp_call(shape, v, 1);
+  if (plan.grid == 0) return dcp_capacity_message(shape, v.layout);
   if (return_lse) {
     auto lse_out = rets.get<ffi::AnyBuffer>(0);
     if (!lse_out.has_value()) return "b12x_jax.dcp_a2a: the merged lse result is not a buffer";
@@ -152,8 +160,9 @@ ffi::Future DcpA2aHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::AnyBu
   ffi::Future future(promise);
   const RankLease handle = Registry::get().lease(Platform::kHost, channel_id, group, ordinal);
   DcpShape s{};
+  DcpPlan plan{};
   float* out_lse = nullptr;
-  const std::string problem = handle ? check_call(handle, x, lse, rets, base2, return_lse, s, out_lse)
+  const std::string problem = handle ? check_call(handle, x, lse, rets, base2, return_lse, s, plan, out_lse)
                                      : unprepared_message("dcp_a2a", channel_id, ordinal);
   if (!problem.empty()) {
     promise.SetError(ffi::Error::InvalidArgument(problem));
@@ -164,8 +173,8 @@ ffi::Future DcpA2aHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::AnyBu
   const auto* in_lse = static_cast<const float*>(lse.untyped_data());
   auto* out = static_cast<Pack*>(y->untyped_data());
   if (handle.group->options().poison_outputs) std::memset(out, 0xFF, y->size_bytes());  // NaN everywhere
-  const DcpArgs args{s, merge, in, in_lse, out, out_lse};
-  if (plan_dcp_call(s, handle.view(), 1).lamport) {
+  const DcpArgs args{s, plan, merge, in, in_lse, out, out_lse};
+  if (plan.lamport) {
     submit_host_call(std::make_unique<LamportDcpCall>(handle, promise, args));
   } else {
     submit_host_call(std::make_unique<DcpCall>(handle, promise, args));

@@ -69,24 +69,19 @@ class BarrierCall : public HostCall {
 };
 
 // One Lamport exchange of `n` packs per source (lamport.h): start pushes the
-// header and the data (`part`: every peer gets `in`, unless an op sends
-// each peer its own); poll checks every source's header, then its packs from
-// where the last poll stopped (no word still empty); finish hands each
-// pack's sources in rank order to `reduce`, refills the previous buffer and
-// advances.
+// header and the op's packs (`push`); poll checks every source's header,
+// then its packs from where the last poll stopped (no word still empty);
+// the op's `finish` reads the arrived cells and calls `complete`, which
+// refills the previous buffer and advances.
 class LamportHostCall : public HostCall {
  public:
-  LamportHostCall(RankHandle handle, xla::ffi::Promise promise, const CallTag& tag, const Pack* in, size_t n)
-      : HostCall(handle, std::move(promise)), tag_(tag), in_(in), n_(n) {}
+  LamportHostCall(RankHandle handle, xla::ffi::Promise promise, const CallTag& tag, size_t n)
+      : HostCall(handle, std::move(promise)), tag_(tag), n_(n) {}
 
   void start(const ChannelView& v, int /*phase*/) override {
     call_ = lamport_begin<HostMem>(v, 0, tag_);
     lamport_push_header<HostMem>(v, call_);
-    for (size_t i = 0; i < n_; ++i) {
-      for (int p = 0; p < v.world; ++p) {
-        if (exchanges_with(v, p)) lamport_push_to<HostMem>(v, call_, p, i, part(v, p, i));
-      }
-    }
+    push(v);
   }
 
   PeerState poll(const ChannelView& v, int /*phase*/, const Deadline& deadline) override {
@@ -108,39 +103,59 @@ class LamportHostCall : public HostCall {
     return PeerState::kArrived;
   }
 
-  void finish(const ChannelView& v) override {
-    for (size_t i = 0; i < n_; ++i) {
-      Pack staged[kMaxRanks];
-      for (int q = 0; q < v.world; ++q) {
-        if (from_own_input(v, q)) {
-          staged[q] = part(v, q, i);
-        } else {
-          lamport_load<HostMem>(v, call_, q, i, staged[q]);  // arrived: poll saw every word
-        }
-      }
-      reduce(v, i, staged);
-    }
+ protected:
+  // Pushes this rank's n packs into its cell of every peer's buffer.
+  virtual void push(const ChannelView& v) = 0;
+  // Refills the previous buffer and advances; the cells of this call's
+  // buffer stay as they are until the next call of the channel.
+  void complete(const ChannelView& v) {
     for (size_t i = 0; i < lamport_refill_packs(call_); ++i) lamport_refill<HostMem>(v, call_, i);
     lamport_advance<HostMem>(v, call_, static_cast<uint32_t>(n_));
   }
-
- protected:
-  // Pack i of what this rank sends rank `dest` (its own part where dest is
-  // this rank): `in[i]` for every dest, unless the op overrides it.
-  virtual Pack part(const ChannelView& /*v*/, int /*dest*/, size_t i) const { return in_[i]; }
-  // Pack i of the result from `staged[q]`, source q's pack i, q < world.
-  virtual void reduce(const ChannelView& v, size_t i, const Pack* staged) = 0;
-  // This call's buffers and counts (lamport.h), from start on: its cells
-  // stay as they are until the next call of the channel.
+  // This call's buffers and counts (lamport.h), from start on.
   const LamportCall& call() const { return call_; }
+  size_t packs() const { return n_; }
 
  private:
   CallTag tag_;
-  const Pack* in_;
   size_t n_;
   LamportCall call_{};
   std::array<size_t, kMaxRanks> landed_{};   // per source: packs seen arrived, from the start
   std::array<bool, kMaxRanks> header_ok_{};  // per source: its tag matched
+};
+
+// A Lamport sum: every peer gets `in` (encoded once per pack); finish hands
+// each pack's sources in rank order to `reduce` (this rank's own from `in`).
+class LamportSumCall : public LamportHostCall {
+ public:
+  LamportSumCall(RankHandle handle, xla::ffi::Promise promise, const CallTag& tag, const Pack* in, size_t n)
+      : LamportHostCall(handle, std::move(promise), tag, n), in_(in) {}
+
+  void finish(const ChannelView& v) override {
+    for (size_t i = 0; i < packs(); ++i) {
+      Pack staged[kMaxRanks];
+      for (int q = 0; q < v.world; ++q) {
+        if (from_own_input(v, q)) {
+          staged[q] = in_[i];
+        } else {
+          lamport_load<HostMem>(v, call(), q, i, staged[q]);  // arrived: poll saw every word
+        }
+      }
+      reduce(v, i, staged);
+    }
+    complete(v);
+  }
+
+ protected:
+  // Pack i of the result from `staged[q]`, source q's pack i, q < world.
+  virtual void reduce(const ChannelView& v, size_t i, const Pack* staged) = 0;
+
+ private:
+  void push(const ChannelView& v) override {
+    for (size_t i = 0; i < packs(); ++i) lamport_push<HostMem>(v, call(), i, in_[i]);
+  }
+
+  const Pack* in_;
 };
 
 }  // namespace b12x

@@ -21,6 +21,6 @@ def test_every_path_is_right_across_the_counter_wrap_on_gpus(algorithm):
   mesh = jax.make_mesh((2,), ("x",), devices=jax.devices("gpu")[:2])
   with fresh_communicator(**communicator_options(algorithm)) as comm:
     result = run_across_wrap(comm, mesh, "wrap-gpu", CALLS, seed=7)
-  assert result["paths"] == ["b12x"], result
+  assert result["paths"] == ["b12x"] and result["dcp_protocols"] == ["lamport", "barrier"], result
   # CUDA's stats count block 0's barriers and Lamport calls, like the host's.
   assert result["epoch"] == expected_epoch(algorithm, CALLS) and result["epoch"] < START, result
