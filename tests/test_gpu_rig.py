@@ -15,7 +15,7 @@ import pytest
 
 from mp_workers import FUSED_CASES
 from test_multiprocess import (ALL_REDUCE_CONFIGS, check_all_reduce_configs, check_dcp, check_drop_in, check_loops,
-                               check_never_calls, dcp_options)
+                               check_mismatch, check_never_calls, dcp_options)
 
 pytestmark = pytest.mark.gpu_rig
 WORLDS = [2, 4, 8]
@@ -127,6 +127,15 @@ def test_a_rank_that_never_calls_the_triton_kernel_gives_the_others_the_timeout_
   results = gpu_rig("never_calls", n, "--timeout", "2", "--op", op, communicator={"kernels": "triton"})
   check_never_calls(results, "2", "cuda")
   assert all(r["kernels"] == ["triton"] for r in results), results
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "dcp_a2a"])
+@pytest.mark.parametrize("kernels", ["ffi", "triton"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_processes_at_different_calls_stop_with_the_tag_error_and_nan(gpu_rig, n, kernels, op):
+  results = gpu_rig("mismatch", n, "--timeout", "2", "--op", op, communicator={"kernels": kernels})
+  check_mismatch(results, op)
+  assert all(r["kernels"] == [kernels] for r in results), results
 
 
 @pytest.mark.parametrize("poison", [False, True])

@@ -237,6 +237,33 @@ def check_never_calls(results: list[dict], timeout: str, platform: str) -> None:
   assert any(f"waiting for rank {victim}" in r["messages"][0] for r in callers), callers
 
 
+def check_mismatch(results: list[dict], op: str) -> None:
+  """mismatch mode: every process stopped with an error and no number, in a
+  bounded time, naming a peer at the other call and both calls: those at
+  the others' call the odd one out (the last), the odd one a peer. Where
+  the odd one's call has more packs, it stops on the peer's header, before
+  the packs that never come."""
+  n = len(results)
+  if op == "dcp_a2a":
+    call = lambda heads: rf"dcp_a2a of {8192 * n} bytes \({heads} heads of 512 bytes, lamport, grid \d+\)"  # noqa: E731
+    ours, odd = call(16 * n), call(8 * n)
+  else:
+    call = lambda nbytes: rf"all_reduce of {nbytes} bytes \(lamport, grid \d+\)"  # noqa: E731
+    ours, odd = call(256), call(512)
+  for rank, r in enumerate(results):
+    assert r["messages"] and not r["finite"] and r["seconds"] < 30, r
+    if rank < n - 1:
+      wanted = rf"channel 'mismatch' rank {rank} expected {ours} at epoch 1 but rank {n - 1} was at {odd}"
+    else:
+      wanted = rf"channel 'mismatch' rank {rank} expected {odd} at epoch 1 but rank \d+ was at {ours}"
+    assert any(re.search(wanted, m) for m in r["messages"]), "\n".join([wanted, *r["messages"]])
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "dcp_a2a"])
+def test_processes_at_different_calls_on_one_channel_stop_with_the_tag_error(multiprocess, op):
+  check_mismatch(multiprocess("mismatch", 2, "--timeout", "5", "--op", op), op)
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_independent_calls_on_one_channel_run_in_program_order_across_processes(multiprocess, n):
   for r in multiprocess("independent", n, hard_timeout=240):

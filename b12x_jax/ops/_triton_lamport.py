@@ -67,6 +67,9 @@ _MAX_WAIT_UNITS = (1 << 31) - 1
 # at least one load from memory (over 64 ns), so a wait stops after at most
 # this many times its bound, never before it.
 _SPINS_PER_UNIT = 16
+# A poll checks the clock, the bounds and the peers' poison words every
+# CHECK_EVERY polls (a power of two), not each: a reduction per check.
+CHECK_EVERY = 8
 
 # One 32-bit word at (lo, hi) + off; $4, the dependency, is not read.
 _LOAD = ("{ .reg .b64 a; .reg .b64 o; mov.b64 a, {$1, $2}; cvt.u64.u32 o, $3; add.u64 a, a, o; "
@@ -74,6 +77,10 @@ _LOAD = ("{ .reg .b64 a; .reg .b64 o; mov.b64 a, {$1, $2}; cvt.u64.u32 o, $3; ad
 # The same load, of a word this program saw arrived (it stays until this
 # rank refills it), so in any shape: after the polls (_exchange).
 _LOAD_ARRIVED = _LOAD.replace("ld.volatile.global.u32", "ld.relaxed.sys.global.u32")
+# The same load, of a word only this block's earlier calls wrote (its
+# Signal words: buffer, calls, packs, served), so in any shape: one element
+# that every thread holds, read without a reduction.
+_LOAD_OWN = _LOAD.replace("ld.volatile.global.u32", "ld.relaxed.gpu.global.u32")
 # The same where $4 is non-zero, else 0 without touching memory ($5: the dependency).
 _LOAD_IF = ("{ .reg .b64 a; .reg .b64 o; .reg .pred p; setp.ne.u32 p, $4, 0; mov.b64 a, {$1, $2}; "
             "cvt.u64.u32 o, $3; add.u64 a, a, o; mov.u32 $0, 0; @p ld.volatile.global.u32 $0, [a]; }")
@@ -410,8 +417,8 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
   def store(base, offset, value, enabled, dep):
     return asm(_STORE, *base, offset, value, enabled.astype(_U32), dep, shape=jnp.shape(dep))
 
-  def clock(dep):
-    return jnp.max(asm(_CLOCK, dep))  # one reading for the whole program
+  def clock(dep):  # this thread's reading of each element (the checks reduce it)
+    return asm(_CLOCK, dep)
 
   def any_(mask) -> jax.Array:
     return jnp.max(mask.astype(jnp.int32)) > 0
@@ -425,25 +432,27 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
   own_signal, error, own_lamport = address(_OWN_SIGNAL), address(_ERROR), address(_OWN_LAMPORT)
   zero = jnp.zeros(control, _U32)
 
-  # The block's Signal words, as its previous call left them (lamport.h lamport_begin).
-  def word(name: str, dep, per_block: bool = True):
-    return load(own_signal, sig_off[name] + (4 * block if per_block else 0), dep)
+  # The block's Signal words, as its previous call left them (lamport.h
+  # lamport_begin): one element every thread holds, so scalars without a
+  # reduction. Independent loads (no dependency between them: issued
+  # together, not one round trip after the other); their addresses differ,
+  # so none is merged.
+  def own_word(name: str):
+    return jnp.max(asm(_LOAD_OWN, *own_signal, sig_off[name] + 4 * block, 0, shape=(1,)))
 
-  # Independent loads (no dependency between them: issued together, not one
-  # round trip after the other); their addresses differ, so none is merged.
-  buffer = word("lamport_buffer", zero)
-  calls = word("lamport_calls", zero)
-  previous_packs = word("lamport_packs", zero)
-  served = word("served", zero)
-  poisoned = word("poisoned", zero, per_block=False)
-  generation = word("generation", zero, per_block=False)
-  start = clock(buffer | calls | previous_packs | served | poisoned | generation)  # after every read
-  # One value per block: scalars from here on.
-  buffer, calls = jnp.max(buffer), jnp.max(calls)
+  buffer, calls, previous_packs, served = (own_word(name) for name in (
+      "lamport_buffer", "lamport_calls", "lamport_packs", "served"))
+  # Words others write (another block's failure, the host): at full width.
+  poisoned = load(own_signal, sig_off["poisoned"], zero)
+  generation = load(own_signal, sig_off["generation"], zero)
+  start = clock(poisoned | generation | (buffer | calls | previous_packs | served))  # after every read
   previous = jnp.where(buffer == 0, jnp.int32(2), buffer - 1)  # B(k - 1), cycling 0, 1, 2
-  lowered_for = jnp.full(control, table[_GENERATION], _U32)
-  stale = any_(generation != lowered_for)
-  go = jnp.logical_and(jnp.logical_not(any_(poisoned != zero)), jnp.logical_not(stale))
+  lowered_for = table[_GENERATION]
+  # One reduction: 2 where the channel is not the one this program was
+  # lowered for (stale), else 1 where it is poisoned, else 0.
+  halted = jnp.max(jnp.where(generation != lowered_for, jnp.int32(2),
+                             jnp.where(poisoned != 0, jnp.int32(1), jnp.int32(0))))
+  stale, go = halted == 2, halted == 0
 
   def exchanges_with(p: int):  # channel.h exchanges_with (traced: Pallas Triton lowers no Python bools)
     return rank == p if plan.loopback else rank != p
@@ -484,17 +493,23 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
                                     sinks[-1])
     sinks[-1] = sinks[-1] | store(peer, header_offset(buffer, rank), tag_words, jnp.logical_and(enabled, in_header),
                                   sinks[-1])
-  sink = functools.reduce(jnp.bitwise_or, [jnp.max(s) for s in sinks])
+  by_shape: dict[tuple[int, ...], jax.Array] = {}
+  for chain in sinks:  # one reduction per shape
+    by_shape[chain.shape] = by_shape[chain.shape] | chain if chain.shape in by_shape else chain
+  sink = functools.reduce(jnp.bitwise_or, [jnp.max(chain) for chain in by_shape.values()])
 
   # 2. Poll every source's cell (the pad words too: every word refilled
   #    later must have arrived, none lands after the refill) and header of
   #    B(k) until no word is empty, bounded (protocol.h poll_peer): the
-  #    deadline, or the peer's poison after the grace. One reduction per
-  #    source and poll: 2 while a word is empty, else 1 where the tag
-  #    differs (lamport.h lamport_header_state), else 0.
-  first_call_flag = jnp.max((served == zero).astype(jnp.int32))  # 1 until the block met its peers once
-  first_call = first_call_flag > 0
-  bound = table[_TIMEOUT] + first_call_flag * (table[_FIRST_TIMEOUT] - table[_TIMEOUT])
+  #    deadline, or the peer's poison after the grace. Each poll ends on one
+  #    reduction over every source and word: 3 where a header word arrived
+  #    that differs from this call's tag (the peer is at another call:
+  #    stop, as lamport.h lamport_header_state, before its cells arrive,
+  #    which they may never do), else 2 while a word is empty, else 0.
+  #    Every CHECK_EVERY-th poll that still waits checks the bounds and the
+  #    pending peers' poison (`checked`).
+  first_call = served == 0  # until the block met its peers once
+  bound = jnp.where(first_call, table[_FIRST_TIMEOUT], table[_TIMEOUT])
   spin_bound = jnp.minimum(bound, _MAX_WAIT_UNITS // _SPINS_PER_UNIT) * _SPINS_PER_UNIT
   sources = list(range(plan.world))
 
@@ -502,11 +517,18 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
     dep = jnp.broadcast_to(it, control)
     cells = [load_if(own_lamport, cell_offset(buffer, q) + 4 * lanes, in_cell, dep) for q in sources]
     headers = [load_if(own_lamport, header_offset(buffer, q), in_header, dep) for q in sources]
-    states = [jnp.where(exchanges_with(q), jnp.max(jnp.where(
-        jnp.logical_or(jnp.logical_and(in_cell, c == empty), jnp.logical_and(in_header, h == empty)), jnp.int32(2),
-        jnp.where(jnp.logical_and(in_header, h != tag_words), jnp.int32(1), jnp.int32(0)))), jnp.int32(0))
-              for q, c, h in zip(sources, cells, headers)]
-    return cells, states
+    return cells, headers
+
+  def empty_in(cell, header):
+    return jnp.logical_or(jnp.logical_and(in_cell, cell == empty), jnp.logical_and(in_header, header == empty))
+
+  def other_call(header):  # header words that arrived and are not this call's tag
+    return jnp.logical_and(in_header, jnp.logical_and(header != empty, header != tag_words))
+
+  def state(cells, headers):
+    codes = [jnp.where(exchanges_with(q), jnp.where(other_call(h), jnp.int32(3), jnp.where(
+        empty_in(c, h), jnp.int32(2), jnp.int32(0))), jnp.int32(0)) for q, c, h in zip(sources, cells, headers)]
+    return jnp.max(functools.reduce(jnp.maximum, codes))
 
   def first_of(flags) -> jax.Array:  # the lowest rank whose flag is set, else world
     out = jnp.int32(plan.world)
@@ -514,34 +536,39 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
       out = jnp.where(flags[q], jnp.int32(q), out)
     return out
 
+  def checked(it, cells, headers):
+    """(the peer the wait failed on, else -1; whether it gave up): past a
+    bound, the first pending peer; a pending peer whose poison word is set
+    (looked at after the grace), that one."""
+    elapsed = clock(jnp.broadcast_to(it, control) | cells[0]) - start
+    late = jnp.logical_or(any_(elapsed > bound), it > spin_bound)
+    pending = [jnp.logical_and(exchanges_with(q), any_(empty_in(c, h))) for q, c, h in zip(sources, cells, headers)]
+    look = elapsed > plan.grace_units
+    gave = [jnp.logical_and(pending[q], any_(load_if(address(_PEER_SIGNAL + 2 * q), sig_off["poisoned"],
+                                                     jnp.logical_and(look, pending[q]),
+                                                     jnp.broadcast_to(it, control)) != 0))
+            for q in sources]
+    gave_up = functools.reduce(jnp.logical_or, gave)
+    failed_peer = jnp.where(jnp.logical_or(late, gave_up), jnp.where(gave_up, first_of(gave), first_of(pending)), -1)
+    return failed_peer.astype(jnp.int32), gave_up.astype(jnp.int32)
+
   # Carries are int32, flags too: Pallas Triton mistypes bool loop values.
   def cond(carry):
-    _, waiting, failed_peer, _ = carry[:4]
+    _, waiting, failed_peer = carry[:3]
     return jnp.logical_and(waiting > 0, failed_peer < 0)
 
   def body(carry):
     it = carry[0]
-    cells, states = poll(it)
-    pending = [state == 2 for state in states]
-    waiting = functools.reduce(jnp.logical_or, pending)
-    now = clock(jnp.broadcast_to(it, control) | cells[0])
-    elapsed = now - start
-    late = jnp.logical_or(elapsed > bound, it > spin_bound)
-    # A pending peer that poisoned the channel gave up: stop now (after the grace).
-    look = jnp.logical_and(waiting, elapsed > plan.grace_units)
-    gave = [jnp.logical_and(pending[q], any_(load_if(address(_PEER_SIGNAL + 2 * q), sig_off["poisoned"],
-                                                     jnp.broadcast_to(look, control), jnp.broadcast_to(it, control)) != 0))
-            for q in sources]
-    gave_up = functools.reduce(jnp.logical_or, gave)
-    failed = jnp.logical_and(waiting, jnp.logical_or(late, gave_up))
-    failed_peer = jnp.where(failed, jnp.where(gave_up, first_of(gave), first_of(pending)), -1)
-    return (it + 1, waiting.astype(jnp.int32), failed_peer, gave_up.astype(jnp.int32), *states,
-            *(cells if as_polled else ()))
+    cells, headers = poll(it)
+    code = state(cells, headers)
+    waiting = code == 2
+    check = jnp.logical_and(waiting, (it & (CHECK_EVERY - 1)) == CHECK_EVERY - 1)
+    failed_peer, gave_up = jax.lax.cond(check, lambda: checked(it, cells, headers), lambda: _scalars(it, -1, 0))
+    return (it + 1, waiting.astype(jnp.int32), failed_peer, gave_up, code, *(cells if as_polled else ()))
 
-  init = (sink, go.astype(jnp.int32), jnp.int32(-1), jnp.int32(0), *[jnp.int32(0)] * plan.world,
+  init = (sink, go.astype(jnp.int32), jnp.int32(-1), jnp.int32(0), jnp.int32(0),
           *([zero] * plan.world if as_polled else ()))
-  it, _, failed_peer, gave_up, *polled = jax.lax.while_loop(cond, body, init)
-  states, polled = polled[:plan.world], polled[plan.world:]
+  it, _, failed_peer, gave_up, code, *polled = jax.lax.while_loop(cond, body, init)
   gave_up = gave_up > 0
   timed_out = failed_peer >= 0
   if as_polled:
@@ -551,15 +578,8 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
                        jnp.broadcast_to(it, shape), shape=shape) for k, shape in enumerate(shapes))
              for q in sources]
 
-  # 3. The tags, once every word arrived.
-  mismatched = [jnp.logical_and(exchanges_with(q), state == 1) for q, state in zip(sources, states)]
-  mismatch = jnp.logical_and(jnp.logical_and(go, jnp.logical_not(timed_out)),
-                             functools.reduce(jnp.logical_or, mismatched))
-  mismatch_peer = first_of(mismatched)
-  # The header the mismatching peer wrote, for the record (read only then).
-  header = load_if(own_lamport, header_offset(buffer, mismatch_peer), jnp.logical_and(mismatch, in_header),
-                   jnp.broadcast_to(it, control))
-  seen = [jnp.max(jnp.where(lanes == k, header, 0)) for k in range(4)]
+  # 3. A peer at another call.
+  mismatch = jnp.logical_and(jnp.logical_and(go, jnp.logical_not(timed_out)), code == 3)
   exchanged = jnp.logical_and(go, jnp.logical_not(jnp.logical_or(timed_out, mismatch)))
   cells = [tuple(jnp.where(exchanges_with(q), c, jnp.zeros(c.shape, _U32)) for c in cell)
            for q, cell in enumerate(cells)]
@@ -595,7 +615,7 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
       arrivals = asm(_LOAD_ACQUIRE, *own_signal, sig_off["row_arrivals"] + 4 * first, step)
       met = jnp.min(arrivals - target) >= 0  # wrap-safe: the difference as a signed word
       waited = clock(step | arrivals) - met_start
-      late = jnp.logical_and(jnp.logical_not(met), jnp.logical_or(waited > met_bound, carry[0] > met_spins))
+      late = jnp.logical_and(jnp.logical_not(met), jnp.logical_or(any_(waited > met_bound), carry[0] > met_spins))
       return carry[0] + 1, met.astype(jnp.int32), late.astype(jnp.int32)
 
     steps, _, late = jax.lax.while_loop(met_cond, met_body, (jnp.max(put), jnp.int32(0), jnp.int32(0)))
@@ -610,26 +630,38 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
 
   # 4. A failure is recorded once per channel (the poison word's claim); a
   #    row whose programs did not all meet, where this program's own waits
-  #    ended well, names this rank.
+  #    ended well, names this rank. Only a failing call reads what the
+  #    record needs (the headers a peer wrote, the generation).
   # int32 constants, not Python ints: jnp.where(b, 1, 0) lowers to a 1-bit value in Pallas Triton.
   kinds = [jnp.int32(k) for k in (plan.failure_stale, plan.failure_mismatch, plan.failure_timeout)]
   if met_late is not None:
     timed_out = jnp.logical_or(timed_out, met_late)
     failed_peer = jnp.where(met_late, rank, failed_peer)
     first_call = jnp.logical_and(first_call, jnp.logical_not(met_late))  # the meeting waited the call bound
-  kind = jnp.where(stale, kinds[0], jnp.where(mismatch, kinds[1], kinds[2]))
   record = jnp.logical_or(stale, jnp.logical_or(timed_out, mismatch))
-  peer = jnp.where(stale, -1, jnp.where(mismatch, mismatch_peer, failed_peer))
-  epoch = jnp.where(stale, jnp.max(lowered_for), calls + 1)
-  sink = sink | asm(_record_asm(err_off, sig_off["poisoned"], plan.error_complete), *own_signal, *error,
-                    jnp.logical_and(record, lanes == 0).astype(_U32), kind, rank, peer.astype(_U32), epoch,
-                    jnp.logical_and(gave_up, timed_out).astype(_U32), first_call.astype(_U32),
-                    *[jnp.int32(t) for t in plan.tag], *seen, jnp.max(generation), jnp.broadcast_to(it, control))
+
+  def record_failure():
+    dep = jnp.broadcast_to(it, control)
+    headers = [load_if(own_lamport, header_offset(buffer, q), in_header, dep) for q in sources]
+    mismatch_peer = first_of([jnp.logical_and(exchanges_with(q), any_(other_call(h))) for q, h in zip(sources, headers)])
+    header = jnp.zeros(control, _U32)  # the header the mismatching peer wrote
+    for q, h in zip(sources, headers):
+      header = jnp.where(jnp.logical_and(mismatch, mismatch_peer == q), h, header)
+    seen = [jnp.max(jnp.where(lanes == k, header, 0)) for k in range(4)]
+    kind = jnp.where(stale, kinds[0], jnp.where(mismatch, kinds[1], kinds[2]))
+    peer = jnp.where(stale, -1, jnp.where(mismatch, mismatch_peer, failed_peer))
+    epoch = jnp.where(stale, lowered_for, calls + 1)
+    return jnp.max(asm(_record_asm(err_off, sig_off["poisoned"], plan.error_complete), *own_signal, *error,
+                       (lanes == 0).astype(_U32), kind, rank, peer.astype(_U32), epoch,
+                       jnp.logical_and(gave_up, timed_out).astype(_U32), first_call.astype(_U32),
+                       *[jnp.int32(t) for t in plan.tag], *seen, jnp.max(generation), dep))
+
+  sink = sink | jax.lax.cond(record, record_failure, lambda: _scalars(it, 0)[0])
   done = jnp.logical_and(go, jnp.logical_not(jnp.logical_or(timed_out, mismatch)))
 
   # 5. Refill the cells and headers of B(k - 1) this block read in its
   #    previous call (lamport.h lamport_refill), then advance (lamport_advance).
-  previous_words = jnp.max(previous_packs) * 4
+  previous_words = previous_packs * 4
 
   def refill_cond(carry):
     return carry[0] * width < previous_words
@@ -656,6 +688,12 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
   if row_failed is not None:
     done = jnp.logical_and(done, jnp.logical_not(row_failed))
   return done, cells, rank, jnp.max(refilled), row_total
+
+
+def _scalars(like: jax.Array, *values: int) -> tuple[jax.Array, ...]:
+  """int32 scalars computed from the traced ``like``: a branch of lax.cond
+  may not return a literal in Pallas Triton."""
+  return tuple(like * 0 + jnp.int32(v) for v in values)
 
 
 def _wide_warps(words: int) -> int:
