@@ -95,6 +95,58 @@ def check_every_protocol(mesh, algorithm: str, seed: int, **options) -> int:
   return checked
 
 
+def mismatch_program(op: str, n: int, rng: np.random.Generator):
+  """The program of the mismatch modes (tests/workers.py, tests/mp_workers.py)
+  over axis "x" of ``n`` ranks, and one rank's inputs: the last rank runs
+  another call than the others on the channel, one program for all (a
+  lax.cond on the rank). With ``op`` dcp_a2a a merge of out [2, 8n, 256]
+  against the others' [1, 16n, 256] (bfloat16: one size and one plan, told
+  apart by the call tag alone), else an all_reduce of 128 float32 against
+  the others' 64 (padded with NaN: a finite element can only be a wrong
+  sum). Returns (the shard_map body, the inputs)."""
+  import jax.numpy as jnp
+
+  import b12x_jax
+  odd_one = lambda: jax.lax.axis_index("x") == n - 1  # noqa: E731
+  if op == "dcp_a2a":
+    def merge(out, lse):  # [1, 16, 256] or [2, 8, 256] per rank: as [16, 256] either way
+      return b12x_jax.dcp_a2a(out, lse, "x").reshape(16, 256).astype(jnp.float32)
+
+    def body(out, lse):
+      return jax.lax.cond(odd_one(), lambda: merge(out[:, :8 * n], lse[:, :8 * n]), lambda: merge(out[:1], lse[:1]))
+    return body, [rng.standard_normal((2, 16 * n, 256)).astype(jnp.bfloat16),
+                  rng.standard_normal((2, 16 * n)).astype(np.float32)]
+
+  def small(v):
+    return jnp.concatenate([b12x_jax.all_reduce(v[:64], "x"), jnp.full(64, jnp.nan, v.dtype)])
+
+  def body(x):
+    return jax.lax.cond(odd_one(), lambda v: b12x_jax.all_reduce(v, "x"), small, x)
+  return body, [rng.standard_normal(128).astype(np.float32)]
+
+
+def run_to_its_error(run, channel: str) -> dict:
+  """Runs ``run()`` (a call that must fail, returning its output) on
+  ``channel``, then check_errors. Returns the messages (the call's, as CPU
+  raises from the call, then check_errors' lines), whether an output
+  element was finite (None where the call raised) and the seconds."""
+  import time
+
+  import b12x_jax
+  messages, finite = [], None
+  start = time.monotonic()
+  with b12x_jax.channel(channel):
+    try:
+      finite = bool(np.isfinite(np.asarray(run())).any())
+    except Exception as e:  # noqa: BLE001 - CPU raises from the call
+      messages.append(str(e))
+  try:
+    b12x_jax.check_errors()
+  except b12x_jax.CollectiveTimeoutError as e:
+    messages.extend(str(e).splitlines())
+  return {"messages": messages, "finite": finite, "seconds": time.monotonic() - start}
+
+
 def assert_names_both_calls(messages: list[str], how: str) -> None:
   """The call-tag error (docs/DESIGN.md) of tests/workers.py's mismatch
   mode, from both ranks: rank 0 at an all_reduce of 64 floats, rank 1 at one

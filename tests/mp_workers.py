@@ -335,55 +335,26 @@ def never_calls_mode(args) -> dict:
 
 
 def mismatch_mode(args) -> dict:
-  """The last process runs another call than the others on channel
-  "mismatch", one program for all (a lax.cond on the rank): with --op
-  dcp_a2a a merge of out [2, 8n, 256] against the others' [1, 16n, 256]
-  (bfloat16: one size and one plan, told apart by the call tag alone), else
-  an all_reduce of 128 float32 against the others' 64. Every process must
+  """helpers.mismatch_program, a process per rank: the last process runs
+  another call than the others on channel "mismatch". Every process must
   stop with an error, within a bounded time, never return a number (on
-  CUDA: NaN outputs, then check_errors). Returns the messages (the call's
-  on CPU, check_errors' on CUDA), whether an output was finite, the seconds
-  and the kernels that ran."""
+  CUDA: NaN outputs, then check_errors). Returns helpers.run_to_its_error's
+  result and the kernels that ran."""
   import jax
-  import jax.numpy as jnp
   import numpy as np
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   import b12x_jax
+  from helpers import mismatch_program, run_to_its_error
   b12x_jax.set_communicator(_communicator(args, timeout_s=args.timeout, setup_timeout_s=args.timeout,
                                           poison_outputs=True))
-  mesh, n = _mesh(), jax.device_count()
-  odd_one = lambda: jax.lax.axis_index("x") == n - 1  # noqa: E731
-  rng = np.random.default_rng(jax.process_index())
-  if args.op == "dcp_a2a":
-    def merge(out, lse):  # [1, 16, 256] or [2, 8, 256] per rank: as [16, 256] either way
-      return b12x_jax.dcp_a2a(out, lse, "x").reshape(16, 256).astype(jnp.float32)
-
-    def body(out, lse):
-      return jax.lax.cond(odd_one(), lambda: merge(out[:, :8 * n], lse[:, :8 * n]), lambda: merge(out[:1], lse[:1]))
-    inputs = (rng.standard_normal((2, 16 * n, 256)).astype(jnp.bfloat16),
-              rng.standard_normal((2, 16 * n)).astype(np.float32))
-  else:
-    def body(x):  # the 64 floats' call padded with NaN: a finite element can only be a (wrong) sum
-      small = lambda v: jnp.concatenate([b12x_jax.all_reduce(v[:64], "x"), jnp.full(64, jnp.nan, v.dtype)])  # noqa: E731
-      return jax.lax.cond(odd_one(), lambda v: b12x_jax.all_reduce(v, "x"), small, x)
-    inputs = (rng.standard_normal(128).astype(np.float32),)
+  mesh = _mesh()
+  body, inputs = mismatch_program(args.op, jax.device_count(), np.random.default_rng(jax.process_index()))
   fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * len(inputs), out_specs=P("x"), check_vma=False))
   x = [jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), a) for a in inputs]
-  messages, finite = [], None
-  start = time.monotonic()
-  with b12x_jax.channel("mismatch"):
-    try:
-      finite = bool(np.isfinite(np.asarray(fn(*x).addressable_shards[0].data)).any())
-    except Exception as e:  # noqa: BLE001 - CPU raises from the call
-      messages.append(str(e))
-  try:
-    b12x_jax.check_errors()
-  except b12x_jax.CollectiveTimeoutError as e:
-    messages.extend(str(e).splitlines())
-  kernels = sorted({d.kernel for d in b12x_jax.get_communicator().decisions if d.kernel})
-  return {"messages": messages, "finite": finite, "seconds": time.monotonic() - start, "kernels": kernels}
+  result = run_to_its_error(lambda: fn(*x).addressable_shards[0].data, "mismatch")
+  return {**result, "kernels": sorted({d.kernel for d in b12x_jax.get_communicator().decisions if d.kernel})}
 
 
 def order_mode(args) -> dict:

@@ -238,58 +238,29 @@ def cross_mode(args) -> dict:
 
 
 def mismatch_mode(args) -> dict:
-  """Rank 0 runs an all_reduce of 64 floats, rank 1 one of 128 floats, on
-  one channel (a lax.cond on the rank); with --op dcp_a2a, rank 0 a merge of
-  out [1, 32, 256] and rank 1 one of [2, 16, 256], bfloat16: of one size, in
-  one block of the host channel, told apart by their heads only. Each must
+  """helpers.mismatch_program on the first two devices: rank 0 at an
+  all_reduce of 64 floats, rank 1 at one of 128 (with --op dcp_a2a: a merge
+  of out [1, 32, 256] against [2, 16, 256], bfloat16: of one size, in one
+  block of the host channel, told apart by their heads only). Each must
   stop with the error that names both calls, within the timeout, never
-  return a number. Returns the messages (the call's, then check_errors' of
-  every rank)."""
+  return a number. Returns helpers.run_to_its_error's result."""
   import jax
-  import jax.numpy as jnp
   import numpy as np
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   import b12x_jax
+  sys.path.insert(0, os.path.dirname(__file__))
+  from helpers import mismatch_program, run_to_its_error
   b12x_jax.set_communicator(b12x_jax.Communicator(timeout_s=args.timeout, lamport_bytes=args.lamport_bytes,
                                                   algorithm=args.algorithm, poison_outputs=True))
   mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
-
-  def small(v):  # padded with NaN: a finite element can only be a (wrong) sum
-    return jnp.concatenate([b12x_jax.all_reduce(v[:64], "x"), jnp.full(64, jnp.nan, v.dtype)])
-
-  def body(x):
-    return jax.lax.cond(jax.lax.axis_index("x") == 0, small, lambda v: b12x_jax.all_reduce(v, "x"), x)
-
-  def merge(out, lse):  # [1, 16, 256] or [2, 8, 256]: as [16, 256] either way
-    return b12x_jax.dcp_a2a(out, lse, "x").reshape(16, 256)
-
-  def dcp_body(x):
-    out = x.reshape(2, 32, 256).astype(jnp.bfloat16)
-    lse = x[:64].reshape(2, 32)
-    return jax.lax.cond(jax.lax.axis_index("x") == 0, lambda: merge(out[:1], lse[:1]),
-                        lambda: merge(out[:, :16], lse[:, :16])).astype(jnp.float32).reshape(-1)
-
   rng = np.random.default_rng(args.seed)
-  if args.op == "dcp_a2a":
-    fn = jax.jit(jax.shard_map(dcp_body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
-    x = jax.device_put(rng.standard_normal(2 * 2 * 32 * 256).astype(np.float32), NamedSharding(mesh, P("x")))
-  else:
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
-    x = jax.device_put(rng.standard_normal(2 * 128).astype(np.float32), NamedSharding(mesh, P("x")))
-  messages, finite = [], None
-  start = time.monotonic()
-  with b12x_jax.channel("mismatch"):
-    try:
-      finite = bool(np.isfinite(np.asarray(fn(x))).any())
-    except Exception as e:  # noqa: BLE001 - CPU raises from the call
-      messages.append(str(e))
-  try:
-    b12x_jax.check_errors()
-  except b12x_jax.CollectiveTimeoutError as e:
-    messages.extend(str(e).splitlines())
-  return {"messages": messages, "finite": finite, "seconds": time.monotonic() - start}
+  body, ranks = zip(*[mismatch_program(args.op, 2, rng) for _ in range(2)])
+  fn = jax.jit(jax.shard_map(body[0], mesh=mesh, in_specs=(P("x"),) * len(ranks[0]), out_specs=P("x"),
+                             check_vma=False))
+  x = [jax.device_put(np.concatenate(parts), NamedSharding(mesh, P("x"))) for parts in zip(*ranks)]
+  return run_to_its_error(lambda: fn(*x), "mismatch")
 
 
 def protocols_mode(args) -> dict:
