@@ -736,15 +736,60 @@ def _words(values: tuple[jax.Array, ...], dtype: str) -> jax.Array:
   return _bfloat16_bits(values[0]) | jax.lax.shift_left(_bfloat16_bits(values[1]), jnp.int32(16))
 
 
+def _with_own(plan: Plan, rank: jax.Array, mine: list, cells: list) -> list:
+  """Every source's words of a block: the cells, but this rank's own words
+  from ``mine`` (what it sent), except under loopback, where its own cell
+  holds them (channel.h from_own_input)."""
+  return [c if plan.loopback else jnp.where(rank == q, m, c) for q, (m, c) in enumerate(zip(mine, cells))]
+
+
+def _failed(done: jax.Array, sink: jax.Array) -> jax.Array:
+  """Where the outputs take NaN: the call could not finish (C8). ``sink``
+  (always 0) keeps every store (the module docstring)."""
+  return jnp.logical_or(jnp.logical_not(done), sink != 0)
+
+
+def _launch(kernel: Callable, plan: Plan, op: str, *, channel: str, warps: int, operands: list, in_specs: list,
+            out_shapes: list, out_specs: list, poison_word: int | None) -> list[jax.Array]:
+  """The pallas_call of ``kernel(table_ref, *input refs, *output refs)``
+  over plan.grid programs of ``warps`` warps, named for ``op`` and the
+  channel (visible in the emitted call); ``operands[0]`` is this device's
+  table row. With ``poison_word`` (poison_outputs), each output starts as
+  that word everywhere (an aliased input the kernel never reads), so an
+  element the kernel does not write reads as NaN."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plt
+
+  inputs, aliases = len(operands) - 1, {}
+  if poison_word is not None:
+    fills: dict[tuple, jax.Array] = {}
+    for k, shape in enumerate(out_shapes):
+      key = (shape.shape, shape.dtype)
+      if key not in fills:  # one fill per shape, as outputs of one shape may share it
+        fills[key] = jnp.full(shape.shape, poison_word, shape.dtype)
+      aliases[len(operands)] = k
+      operands = [*operands, fills[key]]
+    in_specs = [*in_specs, *out_specs]
+
+  def body(table_ref, *refs):  # refs: the inputs, (the poisoned outputs,) the outputs
+    kernel(table_ref, *refs[:inputs], *refs[len(refs) - len(out_shapes):])
+  return pl.pallas_call(body, out_shape=out_shapes, grid=(plan.grid,), in_specs=in_specs, out_specs=out_specs,
+                        input_output_aliases=aliases,
+                        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=1),
+                        name=f"b12x_{op}_lamport_{channel}", metadata={"b12x_channel": channel})(*operands)
+
+
+def _table_spec():
+  from jax.experimental import pallas as pl
+  return pl.BlockSpec((ROW_WORDS,), lambda i: (0,))
+
+
 def _all_reduce_kernel(plan: Plan, dtype: str, warps: int, table_ref, x_ref, y_ref):
   x_words = x_ref[...]
   done, cells, rank, sink, _ = _exchange(plan, table_ref, [(x_words,)] * plan.world, warps)
-  # This rank's own part from its input, except under loopback (channel.h from_own_input).
-  parts = [c if plan.loopback else jnp.where(rank == q, x_words, c) for q, (c,) in enumerate(cells)]
+  parts = _with_own(plan, rank, [x_words] * plan.world, [c for (c,) in cells])
   total = _words(_sum_in_rank_order(parts, dtype), dtype)
-  # NaN where the call could not finish (C8); `sink` (always 0) keeps every store.
-  failed_or_kept = jnp.logical_or(jnp.logical_not(done), sink != 0)
-  y_ref[...] = jnp.where(failed_or_kept, jnp.int32(_signed(_DTYPES[dtype])), total)
+  y_ref[...] = jnp.where(_failed(done, sink), jnp.int32(_signed(_DTYPES[dtype])), total)
 
 
 def _rmsnorm_kernel(plan: Plan, dtype: str, hidden: int, eps: float, warps: int, table_ref, x_ref, residual_ref,
@@ -755,7 +800,7 @@ def _rmsnorm_kernel(plan: Plan, dtype: str, hidden: int, eps: float, warps: int,
   new = {}  # the new residual: _exchange needs the row's share of squares before the call ends
 
   def share(cells, rank):  # residual_out = round(sum + residual), one rounding; the norm reads it rounded
-    parts = [c if plan.loopback else jnp.where(rank == q, x_words, c) for q, (c,) in enumerate(cells)]
+    parts = _with_own(plan, rank, [x_words] * plan.world, [c for (c,) in cells])
     total = _sum_in_rank_order(parts, dtype)
     new["residual"] = _words(tuple(s + r for s, r in zip(total, _elements(residual_ref[...], dtype))), dtype)
     return sum(jnp.sum(v * v) for v in _elements(new["residual"], dtype))
@@ -765,10 +810,9 @@ def _rmsnorm_kernel(plan: Plan, dtype: str, hidden: int, eps: float, warps: int,
   r = _elements(residual_out, dtype)
   scale = jax.lax.rsqrt(squares / hidden + eps)
   normed = _words(tuple(v * scale * w for v, w in zip(r, _elements(weight_ref[...], dtype))), dtype)
-  failed_or_kept = jnp.logical_or(jnp.logical_not(done), sink != 0)
-  nan = jnp.int32(_signed(_DTYPES[dtype]))
-  normed_ref[...] = jnp.where(failed_or_kept, nan, normed)
-  residual_out_ref[...] = jnp.where(failed_or_kept, nan, residual_out)
+  failed, nan = _failed(done, sink), jnp.int32(_signed(_DTYPES[dtype]))
+  normed_ref[...] = jnp.where(failed, nan, normed)
+  residual_out_ref[...] = jnp.where(failed, nan, residual_out)
 
 
 def all_reduce(x: jax.Array, row: jax.Array, plan: Plan, *, channel: str, poison: bool) -> jax.Array:
@@ -776,27 +820,15 @@ def all_reduce(x: jax.Array, row: jax.Array, plan: Plan, *, channel: str, poison
   channel whose table ``row`` (this device's) and ``plan`` were baked at
   lowering. The kernel moves and returns 32-bit words, as the wire does."""
   from jax.experimental import pallas as pl
-  from jax.experimental.pallas import triton as plt
 
   dtype = np.dtype(x.dtype).name
-  flat = jax.lax.bitcast_convert_type(x.reshape(-1) if dtype == "float32" else x.reshape(-1, 2), _U32)
-  W = plan.block_words
-  spec = pl.BlockSpec((W,), lambda i: (i,))
-  operands, aliases = [row, flat], {}
-  in_specs = [pl.BlockSpec((ROW_WORDS,), lambda i: (0,)), spec]
-  if poison:  # poison_outputs: NaN in every element the kernel does not write
-    operands.append(jnp.full_like(flat, _signed(_DTYPES[dtype])))
-    in_specs.append(spec)
-    aliases = {2: 0}
-
-  warps = _warps(W, 4 if W <= 1024 else 8)
-
-  def kernel(table_ref, x_ref, *refs):  # refs: (the poisoned output,) and the output
-    _all_reduce_kernel(plan, dtype, warps, table_ref, x_ref, refs[-1])
-  y = pl.pallas_call(kernel, out_shape=_compat.shape_dtype_like(flat), grid=(plan.grid,),
-                     in_specs=in_specs, out_specs=spec, input_output_aliases=aliases,
-                     compiler_params=plt.CompilerParams(num_warps=warps, num_stages=1),
-                     name=f"b12x_all_reduce_lamport_{channel}", metadata={"b12x_channel": channel})(*operands)
+  flat = _as_words(x)
+  spec = pl.BlockSpec((plan.block_words,), lambda i: (i,))
+  warps = _warps(plan.block_words, 4 if plan.block_words <= 1024 else 8)
+  (y,) = _launch(functools.partial(_all_reduce_kernel, plan, dtype, warps), plan, "all_reduce", channel=channel,
+                 warps=warps, operands=[row, flat], in_specs=[_table_spec(), spec],
+                 out_shapes=[_compat.shape_dtype_like(flat)], out_specs=[spec],
+                 poison_word=_signed(_DTYPES[dtype]) if poison else None)
   return jax.lax.bitcast_convert_type(y, x.dtype).reshape(x.shape)
 
 
@@ -812,31 +844,19 @@ def residual_rmsnorm(x: jax.Array, residual: jax.Array, weight: jax.Array, row: 
   row over plan.split programs of a block each). Returns (normed,
   new_residual)."""
   from jax.experimental import pallas as pl
-  from jax.experimental.pallas import triton as plt
 
   dtype = np.dtype(x.dtype).name
   W, split = plan.block_words, plan.split  # a program's words: a row's, or its split-th part
   words = _as_words(x)
   row_spec = pl.BlockSpec((W,), lambda i: (i,))
-  operands = [row, words, _as_words(residual), _as_words(weight)]
-  in_specs = [pl.BlockSpec((ROW_WORDS,), lambda i: (0,)), row_spec, row_spec,
-              pl.BlockSpec((W,), lambda i: (i % split,))]
-  aliases = {}
-  if poison:  # poison_outputs: NaN in every element the kernel does not write
-    operands += [jnp.full_like(words, _signed(_DTYPES[dtype]))] * 2
-    in_specs += [row_spec] * 2
-    aliases = {4: 0, 5: 1}
-
   # A program holds a row of every source while it polls: more warps for more words.
   warps = _warps(W, _wide_warps(W * plan.world))
-
-  def kernel(table_ref, x_ref, residual_ref, weight_ref, *refs):  # refs: (the poisoned outputs,) and outputs
-    _rmsnorm_kernel(plan, dtype, x.shape[-1], eps, warps, table_ref, x_ref, residual_ref, weight_ref, *refs[-2:])
   out = _compat.shape_dtype_like(words)
-  normed, new_residual = pl.pallas_call(
-      kernel, out_shape=(out, out), grid=(plan.grid,), in_specs=in_specs, out_specs=(row_spec, row_spec),
-      input_output_aliases=aliases, compiler_params=plt.CompilerParams(num_warps=warps, num_stages=1),
-      name=f"b12x_residual_rmsnorm_lamport_{channel}", metadata={"b12x_channel": channel})(*operands)
+  normed, new_residual = _launch(
+      functools.partial(_rmsnorm_kernel, plan, dtype, x.shape[-1], eps, warps), plan, "residual_rmsnorm",
+      channel=channel, warps=warps, operands=[row, words, _as_words(residual), _as_words(weight)],
+      in_specs=[_table_spec(), row_spec, row_spec, pl.BlockSpec((W,), lambda i: (i % split,))],
+      out_shapes=[out, out], out_specs=[row_spec, row_spec], poison_word=_signed(_DTYPES[dtype]) if poison else None)
   return tuple(jax.lax.bitcast_convert_type(y, x.dtype).reshape(x.shape) for y in (normed, new_residual))
 
 
@@ -848,9 +868,8 @@ def _dcp_kernel(plan: Plan, rows: int, base2: bool, return_lse: bool, warps: int
   x_refs, lse_refs, outputs = refs[:world], refs[world:2 * world], refs[2 * world:]
   xs, lses = [ref[...] for ref in x_refs], [ref[...] for ref in lse_refs]
   done, cells, rank, sink, _ = _exchange(plan, table_ref, list(zip(xs, lses)), warps)
-  own = lambda q, mine, cell: cell if plan.loopback else jnp.where(rank == q, mine, cell)  # noqa: E731
-  payloads = [own(q, xs[q], cell[0]) for q, cell in enumerate(cells)]
-  lse_bits = [own(q, lses[q], cell[1]) for q, cell in enumerate(cells)]
+  payloads = _with_own(plan, rank, xs, [cell[0] for cell in cells])
+  lse_bits = _with_own(plan, rank, lses, [cell[1] for cell in cells])
   # merge_weights: a source whose lse is not finite has weight 0, and its payload is never summed.
   finite = [(bits & 0x7F800000) != 0x7F800000 for bits in lse_bits]
   lse = [jax.lax.bitcast_convert_type(bits, jnp.float32) for bits in lse_bits]
@@ -869,12 +888,11 @@ def _dcp_kernel(plan: Plan, rows: int, base2: bool, return_lse: bool, warps: int
     part_low, part_high = _halves(payload)
     low = low + jnp.where(taken, scale * part_low, 0.0)
     high = high + jnp.where(taken, scale * part_high, 0.0)
-  # NaN where the call could not finish (C8); `sink` (always 0) keeps every store.
-  failed_or_kept = jnp.logical_or(jnp.logical_not(done), sink != 0)
-  outputs[0][...] = jnp.where(failed_or_kept, jnp.int32(_signed(_DTYPES["bfloat16"])), _words((low, high), "bfloat16"))
+  failed = _failed(done, sink)
+  outputs[0][...] = jnp.where(failed, jnp.int32(_signed(_DTYPES["bfloat16"])), _words((low, high), "bfloat16"))
   if return_lse:
     merged = jnp.where(some, m + log(jnp.where(some, total, 1.0)), -jnp.inf)
-    outputs[1][...] = jnp.where(failed_or_kept, jnp.int32(-1), jax.lax.bitcast_convert_type(merged, _U32))
+    outputs[1][...] = jnp.where(failed, jnp.int32(-1), jax.lax.bitcast_convert_type(merged, _U32))
 
 
 def dcp_a2a(out: jax.Array, lse: jax.Array, row: jax.Array, plan: Plan, *, base2: bool, return_lse: bool,
@@ -884,7 +902,6 @@ def dcp_a2a(out: jax.Array, lse: jax.Array, row: jax.Array, plan: Plan, *, base2
   kernel's block i, a run of one batch row's heads. Returns [merged out]
   (and the merged lse)."""
   from jax.experimental import pallas as pl
-  from jax.experimental.pallas import triton as plt
 
   batch, heads, dim = out.shape
   world = plan.world
@@ -897,30 +914,16 @@ def dcp_a2a(out: jax.Array, lse: jax.Array, row: jax.Array, plan: Plan, *, base2
   x_specs = [pl.BlockSpec((None, None, None, rows, row_words), lambda i, p=p: (i // runs, p, i % runs, 0, 0))
              for p in range(world)]
   lse_specs = [pl.BlockSpec((None, None, None, rows), lambda i, p=p: (i // runs, p, i % runs, 0)) for p in range(world)]
-  out_spec = pl.BlockSpec((None, None, rows, row_words), lambda i: (i // runs, i % runs, 0, 0))
-  lse_spec = pl.BlockSpec((None, None, rows), lambda i: (i // runs, i % runs, 0))
   out_shapes = [_compat.shape_dtype_like(words, (batch, runs, rows, row_words))]
-  out_specs = [out_spec]
+  out_specs = [pl.BlockSpec((None, None, rows, row_words), lambda i: (i // runs, i % runs, 0, 0))]
   if return_lse:
     out_shapes.append(_compat.shape_dtype_like(words, (batch, runs, rows)))
-    out_specs.append(lse_spec)
-  operands = [row, *[words] * world, *[lse_bits] * world]
-  in_specs = [pl.BlockSpec((ROW_WORDS,), lambda i: (0,)), *x_specs, *lse_specs]
-  aliases = {}
-  if poison:  # poison_outputs: NaN in every element the kernel does not write
-    for k, shape in enumerate(out_shapes):
-      aliases[len(operands)] = k
-      operands.append(jnp.full(shape.shape, -1, _U32))
-    in_specs += out_specs
-
+    out_specs.append(pl.BlockSpec((None, None, rows), lambda i: (i // runs, i % runs, 0)))
   warps = _wide_warps(plan.block_words * world)
-
-  def kernel(table_ref, *refs):  # refs: inputs, (the poisoned outputs,) and the outputs
-    _dcp_kernel(plan, rows, base2, return_lse, warps, table_ref, *refs[:2 * world], *refs[-len(out_shapes):])
-  results = pl.pallas_call(
-      kernel, out_shape=out_shapes, grid=(plan.grid,), in_specs=in_specs, out_specs=out_specs,
-      input_output_aliases=aliases, compiler_params=plt.CompilerParams(num_warps=warps, num_stages=1),
-      name=f"b12x_dcp_a2a_lamport_{channel}", metadata={"b12x_channel": channel})(*operands)
+  results = _launch(functools.partial(_dcp_kernel, plan, rows, base2, return_lse, warps), plan, "dcp_a2a",
+                    channel=channel, warps=warps, operands=[row, *[words] * world, *[lse_bits] * world],
+                    in_specs=[_table_spec(), *x_specs, *lse_specs], out_shapes=out_shapes, out_specs=out_specs,
+                    poison_word=-1 if poison else None)
   merged = jax.lax.bitcast_convert_type(results[0], jnp.bfloat16).reshape(batch, heads // world, dim)
   if not return_lse:
     return [merged]
