@@ -557,11 +557,18 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
     _, waiting, failed_peer = carry[:3]
     return jnp.logical_and(waiting > 0, failed_peer < 0)
 
+  def landing(headers):  # 1 where a header of another call has words still empty (it may land in parts)
+    return functools.reduce(jnp.logical_or, [jnp.logical_and(
+        exchanges_with(q), jnp.logical_and(any_(other_call(h)), any_(jnp.logical_and(in_header, h == empty))))
+        for q, h in zip(sources, headers)]).astype(jnp.int32)
+
   def body(carry):
     it = carry[0]
     cells, headers = poll(it)
     code = state(cells, headers)
-    waiting = code == 2
+    # Another call's header is recorded whole: wait for its last words (bounded as any wait).
+    partial = jax.lax.cond(code == 3, lambda: landing(headers), lambda: _scalars(it, 0)[0])
+    waiting = jnp.logical_or(code == 2, partial > 0)
     check = jnp.logical_and(waiting, (it & (CHECK_EVERY - 1)) == CHECK_EVERY - 1)
     failed_peer, gave_up = jax.lax.cond(check, lambda: checked(it, cells, headers), lambda: _scalars(it, -1, 0))
     return (it + 1, waiting.astype(jnp.int32), failed_peer, gave_up, code, *(cells if as_polled else ()))
@@ -652,7 +659,7 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
     peer = jnp.where(stale, -1, jnp.where(mismatch, mismatch_peer, failed_peer))
     epoch = jnp.where(stale, lowered_for, calls + 1)
     return jnp.max(asm(_record_asm(err_off, sig_off["poisoned"], plan.error_complete), *own_signal, *error,
-                       (lanes == 0).astype(_U32), kind, rank, peer.astype(_U32), epoch,
+                       jnp.logical_and(record, lanes == 0).astype(_U32), kind, rank, peer.astype(_U32), epoch,
                        jnp.logical_and(gave_up, timed_out).astype(_U32), first_call.astype(_U32),
                        *[jnp.int32(t) for t in plan.tag], *seen, jnp.max(generation), dep))
 
