@@ -101,9 +101,11 @@ def mismatch_program(op: str, n: int, rng: np.random.Generator):
   another call than the others on the channel, one program for all (a
   lax.cond on the rank). With ``op`` dcp_a2a a merge of out [2, 8n, 256]
   against the others' [1, 16n, 256] (bfloat16: one size and one plan, told
-  apart by the call tag alone), else an all_reduce of 128 float32 against
-  the others' 64 (padded with NaN: a finite element can only be a wrong
-  sum). Returns (the shard_map body, the inputs)."""
+  apart by the call tag alone), with residual_rmsnorm the fused op on a
+  row of 128 float32 against the others' 256, else an all_reduce of 128
+  float32 against the others' 64 (the shorter call padded with NaN: a
+  finite element can only be a wrong number). Returns (the shard_map body,
+  the inputs)."""
   import jax.numpy as jnp
 
   import b12x_jax
@@ -116,6 +118,16 @@ def mismatch_program(op: str, n: int, rng: np.random.Generator):
       return jax.lax.cond(odd_one(), lambda: merge(out[:, :8 * n], lse[:, :8 * n]), lambda: merge(out[:1], lse[:1]))
     return body, [rng.standard_normal((2, 16 * n, 256)).astype(jnp.bfloat16),
                   rng.standard_normal((2, 16 * n)).astype(np.float32)]
+
+  if op == "residual_rmsnorm":
+    def fused(x, residual, weight, hidden):
+      normed, _ = b12x_jax.all_reduce_residual_rmsnorm(x[:, :hidden], residual[:, :hidden], weight[:hidden], "x")
+      return jnp.concatenate([normed, jnp.full((1, 256 - hidden), jnp.nan, normed.dtype)], axis=1)
+
+    def fused_body(x, residual, weight):
+      return jax.lax.cond(odd_one(), lambda: fused(x, residual, weight, 128), lambda: fused(x, residual, weight, 256))
+    return fused_body, [rng.standard_normal((1, 256)).astype(np.float32) for _ in range(2)] + [
+        rng.standard_normal(256).astype(np.float32)]
 
   def small(v):
     return jnp.concatenate([b12x_jax.all_reduce(v[:64], "x"), jnp.full(64, jnp.nan, v.dtype)])

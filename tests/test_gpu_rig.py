@@ -129,7 +129,7 @@ def test_a_rank_that_never_calls_the_triton_kernel_gives_the_others_the_timeout_
   assert all(r["kernels"] == ["triton"] for r in results), results
 
 
-@pytest.mark.parametrize("op", ["all_reduce", "dcp_a2a"])
+@pytest.mark.parametrize("op", ["all_reduce", "dcp_a2a", "residual_rmsnorm"])
 @pytest.mark.parametrize("kernels", ["ffi", "triton"])
 @pytest.mark.parametrize("n", [2, 4])
 def test_processes_at_different_calls_stop_with_the_tag_error_and_nan(gpu_rig, n, kernels, op):

@@ -247,6 +247,9 @@ def check_mismatch(results: list[dict], op: str) -> None:
   if op == "dcp_a2a":
     call = lambda heads: rf"dcp_a2a of {8192 * n} bytes \({heads} heads of 512 bytes, lamport, grid \d+\)"  # noqa: E731
     ours, odd = call(16 * n), call(8 * n)
+  elif op == "residual_rmsnorm":
+    call = lambda nbytes: rf"all_reduce_residual_rmsnorm of {nbytes} bytes \(lamport, grid 1\)"  # noqa: E731
+    ours, odd = call(1024), call(512)
   else:
     call = lambda nbytes: rf"all_reduce of {nbytes} bytes \(lamport, grid \d+\)"  # noqa: E731
     ours, odd = call(256), call(512)
@@ -259,7 +262,7 @@ def check_mismatch(results: list[dict], op: str) -> None:
     assert any(re.search(wanted, m) for m in r["messages"]), "\n".join([wanted, *r["messages"]])
 
 
-@pytest.mark.parametrize("op", ["all_reduce", "dcp_a2a"])
+@pytest.mark.parametrize("op", ["all_reduce", "dcp_a2a", "residual_rmsnorm"])
 def test_processes_at_different_calls_on_one_channel_stop_with_the_tag_error(multiprocess, op):
   check_mismatch(multiprocess("mismatch", 2, "--timeout", "5", "--op", op), op)
 
