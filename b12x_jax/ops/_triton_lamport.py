@@ -67,8 +67,9 @@ _MAX_WAIT_UNITS = (1 << 31) - 1
 # at least one load from memory (over 64 ns), so a wait stops after at most
 # this many times its bound, never before it.
 _SPINS_PER_UNIT = 16
-# A poll checks the clock, the bounds and the peers' poison words every
-# CHECK_EVERY polls (a power of two), not each: a reduction per check.
+# The clock, the bounds and the pending peers' poison words are looked at
+# on every CHECK_EVERY-th poll that still waits (a power of two), not on
+# each: their reductions are paid only then.
 CHECK_EVERY = 8
 
 # One 32-bit word at (lo, hi) + off; $4, the dependency, is not read.
