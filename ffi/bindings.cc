@@ -159,8 +159,8 @@ NB_MODULE(_b12x, m) {
 
   m.def("dcp_lamport_plan", [](size_t cell_bytes, int max_blocks, int batch, int heads, int world, size_t row_bytes) {
     if (max_blocks < 1 || max_blocks > kMaxBlocks) throw std::invalid_argument("b12x_jax: blocks must be in [1, 64]");
-    if (world < 1 || world > kMaxRanks || heads % world != 0 || row_bytes % kPackBytes != 0 || heads > kDcpMaxTagHeads ||
-        row_bytes / kPackBytes > static_cast<size_t>(kDcpMaxTagRowPacks)) {
+    if (world < 1 || world > kMaxRanks || heads % world != 0 || row_bytes % kPackBytes != 0 ||
+        !dcp_tag_carries(heads, row_bytes / kPackBytes)) {
       return nb::make_tuple(0, 0, nb::make_tuple(0, 0, 0, 0));  // no channel serves the call
     }
     const StagingLayout cells{cell_bytes, world, max_blocks, kLamportBuffers};

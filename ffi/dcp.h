@@ -69,6 +69,10 @@ B12X_HD uint32_t dcp_tag_algorithm(bool lamport, int heads, int row_packs) {
   const uint32_t protocol = lamport ? static_cast<uint32_t>(Algorithm::kLamport) : 0u;
   return protocol | static_cast<uint32_t>(heads) << 2 | static_cast<uint32_t>(row_packs) << 17;
 }
+// Whether a call of H = `heads` and rows of `row_packs` packs has a tag of its own.
+inline bool dcp_tag_carries(int64_t heads, size_t row_packs) {
+  return heads <= kDcpMaxTagHeads && row_packs <= static_cast<size_t>(kDcpMaxTagRowPacks);
+}
 B12X_HD bool dcp_tag_lamport(uint32_t algorithm) { return (algorithm & 3u) == static_cast<uint32_t>(Algorithm::kLamport); }
 B12X_HD int dcp_tag_heads(uint32_t algorithm) { return static_cast<int>((algorithm >> 2) & kDcpMaxTagHeads); }
 B12X_HD int dcp_tag_row_packs(uint32_t algorithm) { return static_cast<int>((algorithm >> 17) & kDcpMaxTagRowPacks); }

@@ -33,7 +33,7 @@ inline std::string dcp_call_shape(const xla::ffi::AnyBuffer& out, const xla::ffi
   if (row_bytes % kPackBytes != 0) {
     return op + "a row of out is " + std::to_string(row_bytes) + " bytes, not a multiple of 16";
   }
-  if (dims[1] > kDcpMaxTagHeads || row_bytes / kPackBytes > static_cast<size_t>(kDcpMaxTagRowPacks)) {
+  if (!dcp_tag_carries(dims[1], row_bytes / kPackBytes)) {
     return op + "out [B, H, D] has H=" + std::to_string(dims[1]) + " or rows of " + std::to_string(row_bytes) +
            " bytes; the call tag carries at most " + std::to_string(kDcpMaxTagHeads) + " heads of at most " +
            std::to_string(kDcpMaxTagRowPacks * kPackBytes) + " bytes: split H or D over calls";

@@ -102,7 +102,8 @@ def mismatch_program(op: str, n: int, rng: np.random.Generator):
   lax.cond on the rank). With ``op`` dcp_a2a a merge of out [2, 8n, 256]
   against the others' [1, 16n, 256] (bfloat16: one size and one plan, told
   apart by the call tag alone), with residual_rmsnorm the fused op on a
-  row of 128 float32 against the others' 256, else an all_reduce of 128
+  row of 4096 float32 against the others' 8192 (the Triton kernel splits
+  both rows over 4 programs, which meet even where they fail), else an all_reduce of 128
   float32 against the others' 64 (the shorter call padded with NaN: a
   finite element can only be a wrong number). Returns (the shard_map body,
   the inputs)."""
@@ -122,12 +123,12 @@ def mismatch_program(op: str, n: int, rng: np.random.Generator):
   if op == "residual_rmsnorm":
     def fused(x, residual, weight, hidden):
       normed, _ = b12x_jax.all_reduce_residual_rmsnorm(x[:, :hidden], residual[:, :hidden], weight[:hidden], "x")
-      return jnp.concatenate([normed, jnp.full((1, 256 - hidden), jnp.nan, normed.dtype)], axis=1)
+      return jnp.concatenate([normed, jnp.full((1, 8192 - hidden), jnp.nan, normed.dtype)], axis=1)
 
     def fused_body(x, residual, weight):
-      return jax.lax.cond(odd_one(), lambda: fused(x, residual, weight, 128), lambda: fused(x, residual, weight, 256))
-    return fused_body, [rng.standard_normal((1, 256)).astype(np.float32) for _ in range(2)] + [
-        rng.standard_normal(256).astype(np.float32)]
+      return jax.lax.cond(odd_one(), lambda: fused(x, residual, weight, 4096), lambda: fused(x, residual, weight, 8192))
+    return fused_body, [rng.standard_normal((1, 8192)).astype(np.float32) for _ in range(2)] + [
+        rng.standard_normal(8192).astype(np.float32)]
 
   def small(v):
     return jnp.concatenate([b12x_jax.all_reduce(v[:64], "x"), jnp.full(64, jnp.nan, v.dtype)])

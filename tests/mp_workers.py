@@ -205,7 +205,7 @@ def dcp_mode(args) -> dict:
     _compat.distributed_client().wait_at_barrier("b12x_jax_dcp_wrap_counters", 60_000)
   rng = np.random.default_rng(0)  # the same shards in every process
   kernels: dict[str, list[str]] = {}
-  protocols: dict[str, str] = {}
+  protocols: dict[str, list[str]] = {}
   with b12x_jax.channel("mp_dcp"):
     for return_lse, base in variants:
       for dtype, batch, per_rank, dim in DCP_CASES:
@@ -223,7 +223,8 @@ def dcp_mode(args) -> dict:
         for decision in comm.decisions[decided:]:
           assert decision.path == "b12x", decision
           kernels.setdefault(f"{dtype}/{batch}x{heads}x{dim}", []).append(decision.kernel)
-          protocols[f"{dtype}/{batch}x{heads}x{dim}"] = "lamport" if "; lamport (" in decision.reason else "barrier"
+          protocols.setdefault(f"{dtype}/{batch}x{heads}x{dim}", []).append(
+              "lamport" if "; lamport (" in decision.reason else "barrier")
   b12x_jax.check_errors()
   return {"rank": me, "kernels": kernels, "protocols": protocols,
           "epoch": comm.stats("mp_dcp", jax.local_devices()[0])["epoch"]}

@@ -256,9 +256,9 @@ def mismatch_mode(args) -> dict:
                                                   algorithm=args.algorithm, poison_outputs=True))
   mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
   rng = np.random.default_rng(args.seed)
-  body, ranks = zip(*[mismatch_program(args.op, 2, rng) for _ in range(2)])
-  fn = jax.jit(jax.shard_map(body[0], mesh=mesh, in_specs=(P("x"),) * len(ranks[0]), out_specs=P("x"),
-                             check_vma=False))
+  body, first = mismatch_program(args.op, 2, rng)
+  ranks = [first, mismatch_program(args.op, 2, rng)[1]]  # each rank's inputs
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * len(first), out_specs=P("x"), check_vma=False))
   x = [jax.device_put(np.concatenate(parts), NamedSharding(mesh, P("x"))) for parts in zip(*ranks)]
   return run_to_its_error(lambda: fn(*x), "mismatch")
 

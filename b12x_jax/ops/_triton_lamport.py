@@ -631,6 +631,8 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
     met_late = jnp.logical_and(row_late, exchanged)
     shares = load_if(own_signal, sig_off["row_partial"] + 4 * (first + lanes), lanes < split,
                      jnp.broadcast_to(steps, control))
+    # A program of a failed row that exchanged well still refills and advances its block: every failure
+    # poisons the channel (the record below), so no later call reads that block's buffers.
     row_failed = jnp.logical_or(row_late, jnp.min(jnp.where(lanes < split, shares, 0)) < 0)
     row_total = functools.reduce(jnp.add, [jax.lax.bitcast_convert_type(
         jnp.max(jnp.where(lanes == t, shares & jnp.int32(0x7FFFFFFF), 0)), jnp.float32) for t in range(split)])
@@ -770,13 +772,8 @@ def _launch(kernel: Callable, plan: Plan, op: str, *, channel: str, warps: int, 
 
   inputs, aliases = len(operands) - 1, {}
   if poison_word is not None:
-    fills: dict[tuple, jax.Array] = {}
-    for k, shape in enumerate(out_shapes):
-      key = (shape.shape, shape.dtype)
-      if key not in fills:  # one fill per shape, as outputs of one shape may share it
-        fills[key] = jnp.full(shape.shape, poison_word, shape.dtype)
-      aliases[len(operands)] = k
-      operands = [*operands, fills[key]]
+    aliases = {len(operands) + k: k for k in range(len(out_shapes))}
+    operands = [*operands, *[jnp.full(shape.shape, poison_word, shape.dtype) for shape in out_shapes]]
     in_specs = [*in_specs, *out_specs]
 
   def body(table_ref, *refs):  # refs: the inputs, (the poisoned outputs,) the outputs

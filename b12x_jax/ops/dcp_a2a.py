@@ -115,14 +115,14 @@ def dcp_a2a(out, lse, axis_name: str, *, return_lse: bool = False, lse_base: str
   name = resolve_channel(channel, _OP)
   base2 = lse_base == "2"
   comm = get_communicator()
-  why_not = why_not_a_mesh_axis(axis_name) or _why_not_tagged(heads, dim * out.dtype.itemsize)
+  row_bytes = dim * out.dtype.itemsize
+  why_not = why_not_a_mesh_axis(axis_name) or _why_not_tagged(heads, row_bytes)
   if size == 1 and not comm.loopback:  # loopback: a group of one runs the exchange too
     results = _merge(out[None], lse[None], base2=base2, return_lse=return_lse)
   elif why_not is not None:
     comm.outside_window(_OP, name, *why_not, fallback=_FALLBACK)
     results = _all_to_all_path(out, lse, axis_name=axis_name, base2=base2, return_lse=return_lse)
   else:
-    row_bytes = dim * out.dtype.itemsize
     blocks = channel_blocks(comm.max_blocks)
     cell = _native.lamport_cell_bytes(comm.native_options(), blocks)
     grid, per_block, _ = _native.dcp_lamport_plan(cell, blocks, batch, heads, size, row_bytes)

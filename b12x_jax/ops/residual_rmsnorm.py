@@ -87,8 +87,8 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
   ``Communicator(kernels="triton" | "auto")`` the fused call of float32 or
   bfloat16 rows is a Pallas Triton kernel on CUDA where each row is a power
   of two of at most 8192 32-bit words within one Lamport cell and the rows
-  fit the channel's blocks, a row over one block or, from 4096 words, up
-  to 4 (docs/DESIGN.md "Triton kernels"); other fused calls take the FFI kernel, recorded in decisions. Over a
+  fit the channel's blocks, a row over one block or, where it is large,
+  several (``_triton_lamport.row_split``; docs/DESIGN.md "Triton kernels"); other fused calls take the FFI kernel, recorded in decisions. Over a
   ``vmap`` axis name it is unfused, on psum (policy "auto"), or an
   IneligibleError (policy "strict").
   """
