@@ -160,15 +160,20 @@ def run_to_its_error(run, channel: str) -> dict:
   return {"messages": messages, "finite": finite, "seconds": time.monotonic() - start}
 
 
-def assert_names_both_calls(messages: list[str], how: str) -> None:
-  """The call-tag error (docs/DESIGN.md) of tests/workers.py's mismatch
-  mode, from both ranks: rank 0 at an all_reduce of 64 floats, rank 1 at one
-  of 128, both by protocol ``how`` ("lamport", "one_shot", ...)."""
+def tag_error(rank: int, expected: str, peer: str | int, seen: str) -> str:
+  """The regex of the call-tag error (docs/DESIGN.md) channel 'mismatch'
+  reports at epoch 1: ``rank`` expected the call ``expected`` (a regex)
+  but ``peer`` (a rank, or a regex of one) was at ``seen``."""
+  return (f"channel 'mismatch' rank {rank} expected {expected} at epoch 1 but rank {peer} was at {seen}: "
+          "the ranks run different calls on one channel")
+
+
+def assert_names_both_calls(messages: list[str], calls: dict[int, str]) -> None:
+  """The call-tag error of both ranks of tests/workers.py's mismatch mode:
+  rank r at the call ``calls[r]`` (a regex), each naming both calls."""
   import re
-  calls = {0: f"all_reduce of 256 bytes \\({how}, grid 1\\)", 1: f"all_reduce of 512 bytes \\({how}, grid 1\\)"}
   for rank, peer in ((0, 1), (1, 0)):
-    pattern = (f"channel 'mismatch' rank {rank} expected {calls[rank]} at epoch 1 but rank {peer} was at "
-               f"{calls[peer]}: the ranks run different calls on one channel")
+    pattern = tag_error(rank, calls[rank], peer, calls[peer])
     assert any(re.search(pattern, m) for m in messages), (pattern, messages)
 
 

@@ -168,12 +168,15 @@ def wrap_mode(args) -> dict:
 # protocol too).
 DCP_CASES = (("bfloat16", 1, 8, 128), ("bfloat16", 8, 4, 128), ("bfloat16", 3, 4, 16), ("bfloat16", 2, 1, 64),
              ("float16", 2, 4, 64), ("bfloat16", 67, 4, 64))
+# dcp_mode's rounds, (return_lse, lse_base): every kernel variant (the
+# Triton kernel is specialised on both).
+DCP_VARIANTS = ((True, "e"), (False, "2"), (True, "2"), (False, "e"))
 
 
 def dcp_mode(args) -> dict:
   """dcp_a2a across processes, each process feeding its own KV shard's
-  partial attention: every DCP_CASES shape twice (with the merged lse in
-  base e, then without it from base-2 lse), interleaved on one
+  partial attention: every DCP_CASES shape in each DCP_VARIANTS (with
+  and without the merged lse, from lse in base e and base 2), interleaved on one
   channel (with lamport_bytes=0 in --communicator, on the barrier
   protocol; with kernels="triton", bfloat16 on the Triton kernel on CUDA),
   from 5 calls below the counters' wrap with --wrap; this process's head
@@ -193,12 +196,10 @@ def dcp_mode(args) -> dict:
   b12x_jax.set_communicator(comm)
   mesh = _mesh()
   n, me = jax.device_count(), jax.process_index()
-  # Round 1 returns the merged lse in base e, round 2 only the merged out, from base-2 lse.
-  variants = ((True, "e"), (False, "2"))
   fns = {(return_lse, base): jax.jit(jax.shard_map(
       lambda o, l, return_lse=return_lse, base=base: b12x_jax.dcp_a2a(o, l, "x", return_lse=return_lse, lse_base=base),
       mesh=mesh, in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x")) if return_lse else P("x")))
-         for return_lse, base in variants}
+         for return_lse, base in DCP_VARIANTS}
   if args.wrap:
     comm.prepare(mesh, "x", channels=["mp_dcp"])
     comm._start_counters("mp_dcp", 2**32 - 5)
@@ -207,7 +208,7 @@ def dcp_mode(args) -> dict:
   kernels: dict[str, list[str]] = {}
   protocols: dict[str, list[str]] = {}
   with b12x_jax.channel("mp_dcp"):
-    for return_lse, base in variants:
+    for return_lse, base in DCP_VARIANTS:
       for dtype, batch, per_rank, dim in DCP_CASES:
         heads = per_rank * n
         mine = slice(me * per_rank, (me + 1) * per_rank)

@@ -9,6 +9,7 @@ import json
 import re
 
 import pytest
+from helpers import tag_error
 
 import b12x_jax
 from b12x_jax import rendezvous
@@ -76,8 +77,8 @@ def check_dcp(results: list[dict], wrap: bool, protocol: str, triton: bool = Fal
   row's heads on the rig's blocks) ran the Triton kernel and the rest the
   FFI one (one decision per shape and variant: each executable is traced
   once), else all the FFI one."""
-  from mp_workers import DCP_CASES
-  calls = 2 * len(DCP_CASES)
+  from mp_workers import DCP_CASES, DCP_VARIANTS
+  calls = len(DCP_VARIANTS) * len(DCP_CASES)
   assert [r["rank"] for r in results] == list(range(len(results))), results
   assert {r["epoch"] for r in results} == {(2 * (2**32 - 5) + calls) % 2**32 if wrap else calls}, results
   assert len(results[0]["kernels"]) == len(DCP_CASES), results[0]
@@ -85,9 +86,9 @@ def check_dcp(results: list[dict], wrap: bool, protocol: str, triton: bool = Fal
     dtype, shape = case.split("/")
     decode_sized = int(shape.split("x")[0]) <= 8
     takes_triton = triton and dtype == "bfloat16" and decode_sized
-    assert kinds == ["triton" if takes_triton else "ffi"] * 2, (case, kinds)  # each variant's
+    assert kinds == ["triton" if takes_triton else "ffi"] * len(DCP_VARIANTS), (case, kinds)  # each variant's
     if protocol == "barrier" or decode_sized:
-      assert results[0]["protocols"][case] == [protocol] * 2, (case, results[0]["protocols"])  # each variant's
+      assert results[0]["protocols"][case] == [protocol] * len(DCP_VARIANTS), (case, results[0]["protocols"])
 
 
 @pytest.mark.parametrize("wrap", [False, True], ids=["", "across-the-wrap"])
@@ -253,14 +254,12 @@ def check_mismatch(results: list[dict], op: str) -> None:
   else:
     call = lambda nbytes: rf"all_reduce of {nbytes} bytes \(lamport, grid \d+\)"  # noqa: E731
     ours, odd = call(256), call(512)
-  different = ": the ranks run different calls on one channel"
   for rank, r in enumerate(results):
     assert r["messages"] and not r["finite"] and r["seconds"] < 30, r
     if rank < n - 1:
-      wanted = rf"channel 'mismatch' rank {rank} expected {ours} at epoch 1 but rank {n - 1} was at {odd}{different}"
+      wanted = tag_error(rank, ours, n - 1, odd)
     else:
-      peer = "0" if n == 2 else r"\d+"
-      wanted = rf"channel 'mismatch' rank {rank} expected {odd} at epoch 1 but rank {peer} was at {ours}{different}"
+      wanted = tag_error(rank, odd, 0 if n == 2 else r"\d+", ours)
     assert any(re.search(wanted, m) for m in r["messages"]), "\n".join([wanted, *r["messages"]])
 
 

@@ -325,8 +325,8 @@ def _assert_one_thread_per_polled_element(warps: int, asms: list) -> None:
   assert shapes and all(len(shape) == 1 and shape[0] >= 32 * warps for shape in shapes), (warps, shapes)
   assert {code for code, _ in asms} <= polled | {triton._LOAD_ARRIVED, triton._LOAD_OWN, triton._STORE} | {
       code for code, _ in asms if "atom.global.cas" in code}
-  # The block's own Signal words (no one else writes them while it runs), four per call, may be one element.
-  assert sum(code == triton._LOAD_OWN for code, _ in asms) == 4, asms
+  # Only the block's own Signal words (no one else writes them while it runs), once each, may be one element.
+  assert sum(code == triton._LOAD_OWN for code, _ in asms) == len(triton.OWN_WORDS), asms
 
 
 def test_a_row_over_several_programs_lowers_with_their_meeting(monkeypatch):

@@ -79,9 +79,10 @@ _LOAD = ("{ .reg .b64 a; .reg .b64 o; mov.b64 a, {$1, $2}; cvt.u64.u32 o, $3; ad
 # rank refills it), so in any shape: after the polls (_exchange).
 _LOAD_ARRIVED = _LOAD.replace("ld.volatile.global.u32", "ld.relaxed.sys.global.u32")
 # The same load, of a word only this block's earlier calls wrote (its
-# Signal words: buffer, calls, packs, served), so in any shape: one element
-# that every thread holds, read without a reduction.
+# Signal words OWN_WORDS), so in any shape: one element that every thread
+# holds, read without a reduction.
 _LOAD_OWN = _LOAD.replace("ld.volatile.global.u32", "ld.relaxed.gpu.global.u32")
+OWN_WORDS = ("lamport_buffer", "lamport_calls", "lamport_packs", "served")
 # The same where $4 is non-zero, else 0 without touching memory ($5: the dependency).
 _LOAD_IF = ("{ .reg .b64 a; .reg .b64 o; .reg .pred p; setp.ne.u32 p, $4, 0; mov.b64 a, {$1, $2}; "
             "cvt.u64.u32 o, $3; add.u64 a, a, o; mov.u32 $0, 0; @p ld.volatile.global.u32 $0, [a]; }")
@@ -441,8 +442,7 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
   def own_word(name: str):
     return jnp.max(asm(_LOAD_OWN, *own_signal, sig_off[name] + 4 * block, 0, shape=(1,)))
 
-  buffer, calls, previous_packs, served = (own_word(name) for name in (
-      "lamport_buffer", "lamport_calls", "lamport_packs", "served"))
+  buffer, calls, previous_packs, served = (own_word(name) for name in OWN_WORDS)
   # Words others write (another block's failure, the host): at full width.
   poisoned = load(own_signal, sig_off["poisoned"], zero)
   generation = load(own_signal, sig_off["generation"], zero)
