@@ -86,14 +86,18 @@ def _read_table(path: str, mtime_ns: int) -> dict:
     return {}
 
 
-def per_op_us(run: Callable[[], object], ops: int, iters: int, warmup: int = 5) -> float:
+def per_op_us(run: Callable[[], object], ops: int, iters: int, warmup: int = 5, warmup_s: float = 0.2) -> float:
   """Median wall time of ``run()`` (one executable of ``ops`` chained ops;
-  blocked on) over ``iters`` runs after ``warmup`` runs, per op, in us. The
-  one timing method of calibration and of every benchmark."""
+  blocked on) over ``iters`` runs, per op, in us, after at least ``warmup``
+  runs and ``warmup_s`` seconds of them (so the timed runs do not start on
+  a GPU that just sat idle through a compile). The one timing method of
+  calibration and of every benchmark."""
   import jax
   import numpy as np
-  for _ in range(warmup):
+  warm_until, warmed = time.perf_counter() + warmup_s, 0
+  while warmed < warmup or time.perf_counter() < warm_until:
     jax.block_until_ready(run())
+    warmed += 1
   times = []
   for _ in range(iters):
     start = time.perf_counter()

@@ -31,6 +31,23 @@ def test_crossovers_start_where_the_challenger_wins_at_every_larger_size():
   assert tuning.crossovers_from(never) == (None, None)
 
 
+def test_per_op_us_warms_up_for_its_runs_and_seconds_then_takes_the_median_per_op():
+  import time
+  spans = []  # (start, end) of every run
+
+  def run():  # 1, 4, 2, 1, 4, 2, ... ms
+    start = time.perf_counter()
+    time.sleep((1e-3, 4e-3, 2e-3)[len(spans) % 3])
+    spans.append((start, time.perf_counter()))
+    return np.zeros(1)
+
+  begin = time.perf_counter()
+  us = tuning.per_op_us(run, ops=4, iters=5, warmup=2, warmup_s=0.1)
+  warm, timed = spans[:-5], spans[-5:]
+  assert len(warm) >= 2 and warm[-1][1] - begin >= 0.1, (len(warm), warm[-1][1] - begin)
+  assert us == pytest.approx(np.median([end - start for start, end in timed]) / 4 * 1e6, rel=0.2), us
+
+
 def _lowered(mesh, elems: int) -> str:
   fn = jax.jit(jax.shard_map(lambda x: b12x_jax.all_reduce(x, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
   return fn.lower(jax.ShapeDtypeStruct((2 * elems,), np.float32, sharding=NamedSharding(mesh, P("x")))).as_text()
