@@ -71,12 +71,12 @@ def dcp_options(protocol: str, **options) -> str:
 def check_dcp(results: list[dict], wrap: bool, protocol: str, triton: bool = False) -> None:
   """dcp mode's results: every rank checked its calls and counted them
   alike (from 5 below the wrap with ``wrap``: both counters crossed it);
-  on ``protocol`` "barrier" (lamport_bytes=0) every call took the barrier
-  protocol, on "lamport" the decode-sized ones (B <= 8) the Lamport
-  exchange; with ``triton``, bfloat16 calls of B <= 8 (a block per batch
-  row's heads on the rig's blocks) ran the Triton kernel and the rest the
-  FFI one (one decision per shape and variant: each executable is traced
-  once), else all the FFI one."""
+  every call took ``protocol``: "barrier" (lamport_bytes=0) or "lamport"
+  (every DCP_CASES shape fits the Lamport cells, also B = 67 on CUDA's 64
+  blocks: two batch rows per block); with ``triton``, bfloat16 calls of
+  B <= 8 (a block per batch row's heads on the rig's blocks) ran the
+  Triton kernel and the rest the FFI one (one decision per shape and
+  variant: each executable is traced once), else all the FFI one."""
   from mp_workers import DCP_CASES, DCP_VARIANTS
   calls = len(DCP_VARIANTS) * len(DCP_CASES)
   assert [r["rank"] for r in results] == list(range(len(results))), results
@@ -87,8 +87,7 @@ def check_dcp(results: list[dict], wrap: bool, protocol: str, triton: bool = Fal
     decode_sized = int(shape.split("x")[0]) <= 8
     takes_triton = triton and dtype == "bfloat16" and decode_sized
     assert kinds == ["triton" if takes_triton else "ffi"] * len(DCP_VARIANTS), (case, kinds)  # each variant's
-    if protocol == "barrier" or decode_sized:
-      assert results[0]["protocols"][case] == [protocol] * len(DCP_VARIANTS), (case, results[0]["protocols"])
+    assert results[0]["protocols"][case] == [protocol] * len(DCP_VARIANTS), (case, results[0]["protocols"])
 
 
 @pytest.mark.parametrize("wrap", [False, True], ids=["", "across-the-wrap"])
