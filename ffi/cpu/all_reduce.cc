@@ -13,6 +13,7 @@
 #include "../numeric.h"
 #include "../registry.h"
 #include "../rmsnorm.h"
+#include "../signatures.h"
 #include "host_calls.h"
 #include "progress.h"
 #include "xla/ffi/api/ffi.h"
@@ -190,26 +191,7 @@ ffi::Future ResidualRmsnormHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, f
 }  // namespace b12x
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_all_reduce_host, b12x::AllReduceHost,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::Token>()  // the channel's order (DESIGN C15)
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::Token>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<std::string_view>("channel_id")
-                                  .Attr<std::string_view>("group")  // the axis partition (registry.h)
-                                  .Attr<int32_t>("algorithm"));
+                              b12x::all_reduce_signature(xla::ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_residual_rmsnorm_host, b12x::ResidualRmsnormHost,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::Token>()  // the channel's order (DESIGN C15)
-                                  .Arg<xla::ffi::AnyBuffer>()  // x [..., hidden], this rank's partial sum
-                                  .Arg<xla::ffi::AnyBuffer>()  // residual, like x
-                                  .Arg<xla::ffi::AnyBuffer>()  // weight [hidden]
-                                  .Ret<xla::ffi::Token>()
-                                  .Ret<xla::ffi::AnyBuffer>()  // normed, like x
-                                  .Ret<xla::ffi::AnyBuffer>()  // residual_out, like x
-                                  .Attr<std::string_view>("channel_id")
-                                  .Attr<std::string_view>("group")  // the axis partition (registry.h)
-                                  .Attr<float>("eps"));
+                              b12x::residual_rmsnorm_signature(xla::ffi::Ffi::Bind()));

@@ -10,6 +10,7 @@
 #include "../dcp.h"
 #include "../dcp_call.h"
 #include "../registry.h"
+#include "../signatures.h"
 #include "host_calls.h"
 #include "progress.h"
 #include "xla/ffi/api/ffi.h"
@@ -186,15 +187,4 @@ ffi::Future DcpA2aHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::AnyBu
 }  // namespace b12x
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_dcp_a2a_host, b12x::DcpA2aHost,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::Token>()  // the channel's order (DESIGN C15)
-                                  .Arg<xla::ffi::AnyBuffer>()  // out [B, H, D]
-                                  .Arg<xla::ffi::AnyBuffer>()  // lse [B, H], float32
-                                  .Ret<xla::ffi::Token>()
-                                  .Ret<xla::ffi::AnyBuffer>()  // merged out [B, H/N, D]
-                                  .RemainingRets()             // merged lse [B, H/N], when asked for
-                                  .Attr<std::string_view>("channel_id")
-                                  .Attr<std::string_view>("group")  // the axis partition (registry.h)
-                                  .Attr<bool>("base2")
-                                  .Attr<bool>("return_lse"));
+                              b12x::dcp_a2a_signature(xla::ffi::Ffi::Bind()));

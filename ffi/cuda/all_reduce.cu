@@ -14,6 +14,7 @@
 #include "../numeric.h"
 #include "../protocol.h"
 #include "../registry.h"
+#include "../signatures.h"
 #include "block_barrier.cuh"
 #include "cuda_memory.cuh"
 #include "lamport.cuh"
@@ -135,14 +136,6 @@ ffi::Error AllReduceCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::
 // and the kernel reads and advances the epoch in device memory, so a CUDA
 // graph replay is a correct call.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_all_reduce_cuda, b12x::AllReduceCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::Token>()  // the channel's order (DESIGN C15)
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::Token>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<std::string_view>("channel_id")
-                                  .Attr<std::string_view>("group")  // the axis partition (registry.h)
-                                  .Attr<int32_t>("algorithm"),  // above the Lamport window: see Algorithm
+                              b12x::all_reduce_signature(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -11,6 +11,7 @@
 #include "../dcp_call.h"
 #include "../protocol.h"
 #include "../registry.h"
+#include "../signatures.h"
 #include "block_barrier.cuh"
 #include "cuda_memory.cuh"
 #include "lamport.cuh"
@@ -223,17 +224,6 @@ ffi::Error DcpA2aCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::Any
 // and the kernel reads and advances the epoch in device memory, so a CUDA
 // graph replay is a correct call.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_dcp_a2a_cuda, b12x::DcpA2aCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::Token>()  // the channel's order (DESIGN C15)
-                                  .Arg<xla::ffi::AnyBuffer>()  // out [B, H, D]
-                                  .Arg<xla::ffi::AnyBuffer>()  // lse [B, H], float32
-                                  .Ret<xla::ffi::Token>()
-                                  .Ret<xla::ffi::AnyBuffer>()  // merged out [B, H/N, D]
-                                  .RemainingRets()             // merged lse [B, H/N], when asked for
-                                  .Attr<std::string_view>("channel_id")
-                                  .Attr<std::string_view>("group")  // the axis partition (registry.h)
-                                  .Attr<bool>("base2")
-                                  .Attr<bool>("return_lse"),
+                              b12x::dcp_a2a_signature(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
                               {xla::ffi::Traits::kCmdBufferCompatible});

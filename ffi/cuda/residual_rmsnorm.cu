@@ -9,6 +9,7 @@
 
 #include "../registry.h"
 #include "../rmsnorm.h"
+#include "../signatures.h"
 #include "block_barrier.cuh"
 #include "cuda_memory.cuh"
 #include "lamport.cuh"
@@ -125,17 +126,6 @@ ffi::Error ResidualRmsnormCuda(cudaStream_t stream, int32_t ordinal, ffi::Token,
 // Command-buffer compatible (C5), like all_reduce: the handler only launches
 // on its stream; the call counter lives in device memory.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(b12x_residual_rmsnorm_cuda, b12x::ResidualRmsnormCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::Token>()  // the channel's order (DESIGN C15)
-                                  .Arg<xla::ffi::AnyBuffer>()  // x [..., hidden], this rank's partial sum
-                                  .Arg<xla::ffi::AnyBuffer>()  // residual, like x
-                                  .Arg<xla::ffi::AnyBuffer>()  // weight [hidden]
-                                  .Ret<xla::ffi::Token>()
-                                  .Ret<xla::ffi::AnyBuffer>()  // normed, like x
-                                  .Ret<xla::ffi::AnyBuffer>()  // residual_out, like x
-                                  .Attr<std::string_view>("channel_id")
-                                  .Attr<std::string_view>("group")  // the axis partition (registry.h)
-                                  .Attr<float>("eps"),
+                              b12x::residual_rmsnorm_signature(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,61 @@
+// The operands, results and attributes of the b12x custom calls, written
+// once for both backends: a backend's binding starts with its own context
+// (the CUDA stream) and appends one of these. A handler whose parameters
+// do not match its binding does not compile. (A binding moves only as an
+// rvalue reference: its move constructor is private.)
+#pragma once
+
+#include <string_view>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace b12x {
+
+// The context and operands every b12x call starts with: the device, then
+// the channel's order token (DESIGN C15).
+template <class Binding>
+auto ordered_call(Binding&& binding) {
+  return std::move(binding).template Ctx<xla::ffi::DeviceOrdinal>().template Arg<xla::ffi::Token>();
+}
+
+// The attributes every b12x call ends with: which channel, and which group
+// of it (the axis partition, registry.h).
+template <class Binding>
+auto on_channel(Binding&& binding) {
+  return std::move(binding).template Attr<std::string_view>("channel_id").template Attr<std::string_view>("group");
+}
+
+template <class Binding>
+auto all_reduce_signature(Binding&& binding) {
+  auto operands = ordered_call(std::move(binding))
+                      .template Arg<xla::ffi::AnyBuffer>()  // x
+                      .template Ret<xla::ffi::Token>()
+                      .template Ret<xla::ffi::AnyBuffer>();  // the sum, like x
+  return on_channel(std::move(operands)).template Attr<int32_t>("algorithm");  // above the Lamport window: Algorithm
+}
+
+template <class Binding>
+auto residual_rmsnorm_signature(Binding&& binding) {
+  auto operands = ordered_call(std::move(binding))
+                      .template Arg<xla::ffi::AnyBuffer>()  // x [..., hidden], this rank's partial sum
+                      .template Arg<xla::ffi::AnyBuffer>()  // residual, like x
+                      .template Arg<xla::ffi::AnyBuffer>()  // weight [hidden]
+                      .template Ret<xla::ffi::Token>()
+                      .template Ret<xla::ffi::AnyBuffer>()   // normed, like x
+                      .template Ret<xla::ffi::AnyBuffer>();  // residual_out, like x
+  return on_channel(std::move(operands)).template Attr<float>("eps");
+}
+
+template <class Binding>
+auto dcp_a2a_signature(Binding&& binding) {
+  auto operands = ordered_call(std::move(binding))
+                      .template Arg<xla::ffi::AnyBuffer>()  // out [B, H, D]
+                      .template Arg<xla::ffi::AnyBuffer>()  // lse [B, H], float32
+                      .template Ret<xla::ffi::Token>()
+                      .template Ret<xla::ffi::AnyBuffer>()  // merged out [B, H/N, D]
+                      .RemainingRets();                     // merged lse [B, H/N], when asked for
+  return on_channel(std::move(operands)).template Attr<bool>("base2").template Attr<bool>("return_lse");
+}
+
+}  // namespace b12x
