@@ -661,6 +661,7 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
     kind = jnp.where(stale, kinds[0], jnp.where(mismatch, kinds[1], kinds[2]))
     peer = jnp.where(stale, -1, jnp.where(mismatch, mismatch_peer, failed_peer))
     epoch = jnp.where(stale, lowered_for, calls + 1)
+    # `record` in the predicate too: the asm is pure to the compiler, which may hoist it out of this branch.
     return jnp.max(asm(_record_asm(err_off, sig_off["poisoned"], plan.error_complete), *own_signal, *error,
                        jnp.logical_and(record, lanes == 0).astype(_U32), kind, rank, peer.astype(_U32), epoch,
                        jnp.logical_and(gave_up, timed_out).astype(_U32), first_call.astype(_U32),
