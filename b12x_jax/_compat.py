@@ -156,58 +156,104 @@ def kv_get_bytes(key: str, timeout_s: float) -> bytes | None:
     return None
 
 
-# -- ordered effects (DESIGN C15) --------------------------------------------------
-# jax 0.11 and 0.12 keep their effect registries in the private ``jax._src.effects``.
-# A "shardable" ordered effect is the kind ``io_callback(ordered=True)`` uses:
-# allowed in multi-device programs, its token threaded through shard_map,
-# scan, while_loop, cond, checkpoint and custom derivatives, and from one
-# dispatched executable to the next. Goes when JAX exposes effect types.
+# -- the order of a channel's calls (docs/DESIGN.md, "Call order") ------------------
+# jax 0.11 and 0.12 keep effect registries, named-axis effects and the lowering
+# of shard_map in private modules (``jax._src.effects``, ``core``, ``shard_map``,
+# ``interpreters.mlir``). Go when JAX exposes a public way to order custom calls
+# inside a program without an effect on its executable.
 
 
-def effect_base() -> type:
-  """The base class of JAX effects."""
+def axis_effect_base() -> type:
+  """``core.NamedAxisEffect``: an effect named by a mesh axis, which
+  ``jax.shard_map`` drops from its own effects (``core.filter_named_axis_effects``
+  over the mesh's axis names), so nothing outside the shard_map carries it."""
+  from jax._src import core
+  return core.NamedAxisEffect
+
+
+def register_ordered_effect(effect_type: type) -> None:
+  """Makes ``effect_type`` (a named-axis effect) ordered: JAX threads one
+  token per effect through the calls that have it, into and out of control
+  flow, nested jit, checkpoint and custom derivatives (where named-axis
+  effects are allowed already); ``order_shard_maps`` makes and ends the
+  token inside each shard_map."""
   from jax._src import effects
-  return effects.Effect
+  effects.ordered_effects.add_type(effect_type)
+  order_shard_maps(effect_type)
 
 
-def register_effect(effect_type: type, *, ordered: bool) -> None:
-  """Makes ``effect_type`` an effect JAX lowers, allows inside control flow
-  and AD, and, if ``ordered``, threads a token through, in multi-device
-  programs too. ``jax.export.deserialize`` finds an effect among the types
-  registered here as lowerable, by ``str`` of the class, and makes it by
-  calling the class with no argument (checked on jax 0.11.2 and 0.12.0.1:
-  channels.channel_order)."""
-  from jax._src import effects
-  registries = [effects.lowerable_effects, effects.control_flow_allowed_effects,
-                effects.custom_derivatives_allowed_effects, effects.remat_allowed_effects]
-  if ordered:
-    registries += [effects.ordered_effects, effects.shardable_ordered_effects]
-  for registry in registries:
-    registry.add_type(effect_type)
+def order_shard_maps(effect_type: type) -> None:
+  """Wraps shard_map's lowering so that a body whose calls carry an
+  ``effect_type`` of one of the mesh's axes gets that effect's token.
+
+  JAX drops such an effect from the shard_map equation, so the enclosing
+  function has no token of it to pass: the shard_map makes one, and its
+  token out is kept for the next shard_map lowered into the same block of
+  the same module (two shard_maps one after the other chain their calls, as
+  calls in one body do); it ends there, unused, so no token leaves the
+  module. Checked on jax 0.11.2 and 0.12.0.1 (shardy and GSPMD lowerings
+  both read the body's tokens from ``ctx.tokens_in``)."""
+  from jax._src import shard_map
+  from jax._src.interpreters import mlir
+  entry = mlir._lowerings[shard_map.shard_map_p]
+  inner = entry.rule
+
+  def rule(ctx, *in_nodes, jaxpr, mesh, **params):
+    axes = set(mesh.axis_names)
+    own = [e for e in jaxpr.effects if isinstance(e, effect_type) and e.name in axes]
+    if not own:
+      return inner(ctx, *in_nodes, jaxpr=jaxpr, mesh=mesh, **params)
+    chains = _block_chains(ctx)
+    tokens = {e: chains.take(e) for e in own}
+    sub = ctx.replace(tokens_in=mlir.TokenSet({**dict(ctx.tokens_in.items()), **tokens}))
+    outs = inner(sub, *in_nodes, jaxpr=jaxpr, mesh=mesh, **params)
+    passed = {}
+    for e, token in (sub.tokens_out.items() if sub.tokens_out is not None else ()):
+      if e in tokens:
+        chains.keep(e, token)
+      else:
+        passed[e] = token
+    ctx.set_tokens_out(mlir.TokenSet(passed))
+    return outs
+
+  mlir.register_lowering(shard_map.shard_map_p, rule, inline=entry.inline)
+
+
+class _BlockChains:
+  """The last token of each effect's chain per block of one module being
+  lowered, kept in the module context's ``cached_primitive_lowerings``,
+  which every context of one module's lowering shares and which goes with
+  it."""
+
+  def __init__(self):
+    self._last: list[tuple] = []  # (block, effect, token)
+
+  def take(self, effect):
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import hlo
+    block = ir.InsertionPoint.current.block
+    for i, (b, e, token) in enumerate(self._last):
+      if e == effect and b == block:
+        del self._last[i]
+        return token
+    return hlo.create_token()
+
+  def keep(self, effect, token) -> None:
+    from jax._src.lib.mlir import ir
+    self._last.append((ir.InsertionPoint.current.block, effect, token))
+
+
+_CHAINS_KEY = ("b12x_jax", "block chains")
+
+
+def _block_chains(ctx) -> _BlockChains:
+  return ctx.module_context.cached_primitive_lowerings.setdefault(_CHAINS_KEY, _BlockChains())
 
 
 def abstract_token():
   """The abstract value of an XLA token."""
   from jax._src import core
   return core.abstract_token
-
-
-def wait_for_dispatched() -> None:
-  """Blocks until every executable with effects this thread dispatched is
-  done, ignoring the errors of failed ones (each raised from its own call),
-  then forgets their tokens, so a failed execution's error does not come
-  back from a later ``jax.effects_barrier()``. jax 0.11 and 0.12 keep, per thread,
-  the token of the last such executable on each device (for a program over
-  several devices that is the whole record of it) in
-  ``jax._src.dispatch.runtime_tokens``."""
-  from jax._src import dispatch
-  tokens = dispatch.runtime_tokens
-  for token in [*tokens.current_tokens.values(), *tokens.output_runtime_tokens.values()]:
-    try:
-      token.block_until_ready()
-    except Exception:  # noqa: BLE001 - the failed call raised its own error already
-      pass
-  tokens.clear()
 
 
 def optimization_barrier(values: list) -> list:

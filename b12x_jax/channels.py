@@ -26,8 +26,6 @@ import re
 import threading
 import zlib
 from collections.abc import Iterator
-from typing import ClassVar
-
 import jax
 
 from b12x_jax import _compat
@@ -44,80 +42,44 @@ _channel_context = jax.make_user_context(default_value=None)
 _strict = threading.Event()
 
 
-class ChannelOrder(_compat.effect_base()):
-  """The ordered effect of every call on one channel (DESIGN C15); made by
-  ``channel_order(name)``.
+@dataclasses.dataclass(frozen=True)
+class ChannelOrder(_compat.axis_effect_base()):
+  """The order of one channel's calls over one mesh axis ``name`` inside a
+  ``jax.shard_map`` (docs/DESIGN.md, "Call order"); made by
+  ``channel_order``.
 
-  JAX threads one token per effect through the program: each call on a
-  channel takes the token of the call before it and hands its own to the
-  next, through scan, while_loop and cond, and from one executable to the
-  next in dispatch order. So every device runs a channel's calls in program
-  order, whatever XLA's schedule (XLA:CPU runs independent custom calls in
-  different orders on different devices), and two channels stay independent.
+  An ordered effect, so JAX threads a token through every call of the
+  channel in the shard_map's body: into and out of scan, while_loop, cond,
+  nested jit, checkpoint and custom derivatives. Each call takes the token
+  of the call before it and hands its own to the next, so every device runs
+  the channel's calls in program order, whatever XLA's schedule.
 
-  Each channel's effect is an instance of a class of its own, named after
-  the channel, whose constructor takes no argument: ``jax.export``
-  serializes an effect as its class's name and deserializes it by calling
-  the registered class of that name, so the name must say the channel and
-  the class must make the effect by itself. Instances of one class are
-  equal.
+  It is a named-axis effect of the call's mesh axis, which the shard_map
+  binds: JAX drops such effects from the shard_map's own effects, as it
+  does for psum's axis. So no function around the shard_map has an effect:
+  its executable keeps JAX's fast dispatch path and the host runs ahead of
+  the devices, as with psum. The chain starts and ends inside the module
+  (``order_shard_maps``); from one executable to the next, each device's
+  stream (or the host backend's queue) keeps dispatch order.
   """
-  channel: ClassVar[str]
-
-  def __eq__(self, other) -> bool:
-    return type(other) is type(self)
+  channel: str
 
   def __hash__(self) -> int:
     # The same in every process (str hashes are salted per process): JAX
-    # orders a program's tokens by iterating a set of effects, and every
-    # process must lower the same program (DESIGN "Call order"); XLA:GPU's
-    # sharded autotuning waits forever for peers whose module differs.
-    return zlib.crc32(f"b12x_jax.ChannelOrder/{self.channel}".encode())
+    # orders a body's tokens by iterating a set of effects, and every
+    # process must lower the same program (DESIGN "Call order").
+    return zlib.crc32(f"b12x_jax.ChannelOrder/{self.channel}/{self.name}".encode())
 
   def __repr__(self) -> str:
-    return f"ChannelOrder(channel={self.channel!r})"
+    return f"ChannelOrder(channel={self.channel!r}, axis={self.name!r})"
 
 
-_order_types: dict[str, type[ChannelOrder]] = {}
-_order_types_lock = threading.Lock()
+_compat.register_ordered_effect(ChannelOrder)
 
 
-def channel_order(name: str) -> ChannelOrder:
-  """The ordered effect of channel ``name`` (a valid channel name). Its
-  class is made and registered with JAX on first use: before
-  ``jax.export.deserialize`` of a module with calls on ``name``, something
-  in the process must have made it (``channel(name)``,
-  ``Communicator.prepare`` or a traced call on the channel)."""
-  with _order_types_lock:
-    order_type = _order_types.get(name)
-    if order_type is None:
-      order_type = type(f"ChannelOrder[{name}]", (ChannelOrder,),
-                        {"channel": name, "__module__": __name__, "__qualname__": f"ChannelOrder[{name}]"})
-      _compat.register_effect(order_type, ordered=True)
-      _order_types[name] = order_type
-  return order_type()
-
-
-@dataclasses.dataclass(frozen=True)
-class ChannelMemory(_compat.effect_base()):
-  """The unordered effect every b12x call has besides its ChannelOrder: it
-  writes channel memory outside the program's buffers. So
-  ``jax.effects_barrier()`` waits for it, and an AOT-compiled executable
-  (``lower().compile()``) dispatches every call through the path that passes
-  the order tokens: on jax 0.11.2 the C++ fast path of a compiled executable
-  without unordered effects drops them ("Execution supplied 1 arguments but
-  compiled program expected 2" from its second call on)."""
-
-
-channel_memory = ChannelMemory()
-_compat.register_effect(ChannelMemory, ordered=False)
-
-
-def settle() -> None:
-  """Waits until every execution this thread dispatched with b12x calls (on
-  any channel) is done, and forgets their order tokens: a failed call's
-  error, raised from that call, does not come back from the next one."""
-  _compat.wait_for_dispatched()
+def channel_order(channel: str, axis_name: str) -> ChannelOrder:
+  """The ordered effect of ``channel``'s calls over mesh axis ``axis_name``."""
+  return ChannelOrder(axis_name, channel)
 
 
 def validate_channel_name(name: object, where: str) -> str:
@@ -138,7 +100,6 @@ def channel(name: str) -> Iterator[str]:
   Scopes nest; the innermost wins. Yields the name.
   """
   validate_channel_name(name, "b12x_jax.channel")
-  channel_order(name)  # what jax.export.deserialize of a module on this channel looks up
   with _channel_context(name):
     yield name
 

@@ -32,7 +32,7 @@ import jax
 
 from b12x_jax import _compat, _native, rendezvous
 from b12x_jax.channels import channel as channel_scope
-from b12x_jax.channels import channel_order, is_strict, settle, validate_channel_name
+from b12x_jax.channels import is_strict, validate_channel_name
 from b12x_jax.errors import B12xError, ChannelError, CollectiveTimeoutError, IneligibleError, TransportError
 
 MiB = 1 << 20
@@ -51,6 +51,19 @@ _MAX_TIMEOUT_S = 1e6
 PACK_BYTES = 16
 # Communicator.decisions keeps the last this many (one per traced call).
 MAX_DECISIONS = 1024
+
+
+def settle() -> None:
+  """Waits until every execution dispatched so far in this process is done,
+  so that no call is in flight on a channel about to be released, reset or
+  checked. Executions with b12x calls carry no JAX effect or token (docs/
+  DESIGN.md, "Call order"), so JAX keeps no record of them: their results
+  do, and a result that raised its error already is skipped."""
+  for array in jax.live_arrays():
+    try:
+      array.block_until_ready()
+    except Exception:  # noqa: BLE001 - a failed call's error is raised where its results are read
+      pass
 
 
 def _is_number(value) -> bool:
@@ -308,11 +321,9 @@ class Communicator:
                       f"{channels!r}; write channels=[{channels!r}]")
     names = sorted({validate_channel_name(c, "Communicator.prepare(channels=...)") for c in channels})
     # What a module from jax.export.deserialize needs besides the memory: the
-    # channels' effects and the FFI targets (its b12x calls are not lowered here).
+    # FFI targets (its b12x calls are not lowered here).
     _native.ensure_registered()
-    for name in names:
-      channel_order(name)
-    settle()  # a call that failed since the last release (not prepared) must not taint the next
+    settle()
     devices = np.moveaxis(np.asarray(mesh.devices, dtype=object), list(mesh.axis_names).index(axis_name), -1)
     groups = [tuple(row) for row in devices.reshape(-1, devices.shape[-1])]
     for name in names:

@@ -22,10 +22,13 @@ token. The tokens must equal plain greedy decoding of the target on one device,
 checked on every run (exactly in float32; in bf16/fp16 see check_tokens). The
 same program with jax.lax.psum (and the norm in jnp) is timed next to it, and a
 round alone with each, and with no collectives at all (each rank keeps its
-partial sums: timing only), gives the collectives' share of a round.
+partial sums: timing only), gives the collectives' share of a round. With
+--host-loop the generation also runs as a serving loop does, one jitted round
+per dispatch from Python (timed for b12x and psum, tokens checked the same way).
 
   python examples/speculative_decoding.py          # 2 CPU devices unless >= 2 GPUs
   python examples/speculative_decoding.py --processes 2 --shared-gpu   # 2 processes on GPU 0 (MPS on)
+  python examples/speculative_decoding.py --host-loop   # also one round per dispatch from Python
   python examples/speculative_decoding.py --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 \\
       --layers 8 --vocab 32000 --dtype bfloat16 --new-tokens 128
 """
@@ -62,6 +65,9 @@ parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"
 parser.add_argument("--repeats", type=int, default=3, help="timed generations per variant (the median is shown)")
 parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompt")
 parser.add_argument("--plot", metavar="PATH", help="write a PNG of the timings (needs matplotlib)")
+parser.add_argument("--host-loop", action="store_true",
+                    help="also time the generation as a serving loop runs it: one jitted round per dispatch from "
+                         "Python")
 _runner.add_arguments(parser)
 args = parser.parse_args()
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={_runner.host_devices(args)}")
@@ -231,15 +237,9 @@ def on_channel(name: str, fn):
 # -- decoding -------------------------------------------------------------------------
 
 
-def speculative_generate(target, draft, prompt, comm: Collectives, k: int, new_tokens: int,
-                         replay_rounds: int | None = None):
-  """Greedy speculative decoding of prompt [batch, P] in one lax.while_loop.
-  Returns (tokens [batch, P + new_tokens], rounds, accepted draft tokens).
-
-  With replay_rounds, runs that many rounds at the prompt's position instead
-  (each redoes the first round): the timing of a round with the same work on
-  every rank, which the "none" variant needs (its ranks disagree on tokens,
-  so their generations would run different numbers of rounds)."""
+def prefill(target, draft, prompt, comm: Collectives, k: int, new_tokens: int):
+  """The decoding state after the prompt: (tokens [batch, P + new_tokens + k],
+  n known tokens, target cache, draft cache, rounds, accepted draft tokens)."""
   batch, p = prompt.shape
   end = p + new_tokens
   run_target = on_channel("target", lambda cache, toks, pos: forward(target, cache, toks, pos, comm))
@@ -253,39 +253,55 @@ def speculative_generate(target, draft, prompt, comm: Collectives, k: int, new_t
   # timeout (README, "the rule for users"). The rounds below depend in turn.
   target_cache, draft_prompt = jax.lax.optimization_barrier((target_cache, prompt[:, :-1]))
   _, draft_cache = run_draft(new_cache(draft, batch, end + k), draft_prompt, 0)
-
-  def propose(draft_cache, tokens, n):
-    # Re-feed the token before the last too: after a round that accepted all
-    # k proposals the draft's cache lacks that position.
-    first, draft_cache = run_draft(draft_cache, jax.lax.dynamic_slice_in_dim(tokens, n - 2, 2, axis=1), n - 2)
-
-    def step(carry, pos):
-      cache, last = carry
-      nxt, cache = run_draft(cache, last[:, None], pos)
-      return (cache, nxt[:, 0]), nxt[:, 0]
-
-    (draft_cache, _), rest = jax.lax.scan(step, (draft_cache, first[:, 1]), n + jnp.arange(k - 1))
-    return jnp.concatenate([first[:, 1:], rest.T], axis=1), draft_cache  # [batch, k]
-
-  def round_(state):
-    tokens, n, target_cache, draft_cache, rounds, accepted = state
-    proposals, draft_cache = propose(draft_cache, tokens, n)
-    fed = jnp.concatenate([jax.lax.dynamic_slice_in_dim(tokens, n - 1, 1, axis=1), proposals], axis=1)
-    verdict, target_cache = run_target(target_cache, fed, n - 1)  # the target's token after each of the k+1
-    agree = jnp.cumprod(proposals == verdict[:, :k], axis=1).sum(axis=1).min()  # every row accepts as many
-    # The accepted proposals equal the target's tokens; those past n + agree are rewritten next round.
-    tokens = jax.lax.dynamic_update_slice_in_dim(tokens, verdict, n, axis=1)
-    return tokens, n + agree + 1, target_cache, draft_cache, rounds + 1, accepted + agree
-
-  def replay(_, state):  # the round again at the same position: n stays
-    tokens, _, *rest = round_(state)
-    return (tokens, state[1], *rest)
-
   zero = jnp.int32(0)
-  state = (tokens, jnp.int32(p), target_cache, draft_cache, zero, zero)
+  return tokens, jnp.int32(p), target_cache, draft_cache, zero, zero
+
+
+def decode_round(target, draft, state, comm: Collectives, k: int):
+  """One round: the draft proposes k tokens (lax.scan), the target scores the
+  k+1 positions in one pass, and the longest prefix every row agrees on plus
+  the target's own next token is kept. Returns the next state."""
+  run_target = on_channel("target", lambda cache, toks, pos: forward(target, cache, toks, pos, comm))
+  run_draft = on_channel("draft", lambda cache, toks, pos: forward(draft, cache, toks, pos, comm))
+  tokens, n, target_cache, draft_cache, rounds, accepted = state
+  # Re-feed the token before the last too: after a round that accepted all
+  # k proposals the draft's cache lacks that position.
+  first, draft_cache = run_draft(draft_cache, jax.lax.dynamic_slice_in_dim(tokens, n - 2, 2, axis=1), n - 2)
+
+  def step(carry, pos):
+    cache, last = carry
+    nxt, cache = run_draft(cache, last[:, None], pos)
+    return (cache, nxt[:, 0]), nxt[:, 0]
+
+  (draft_cache, _), rest = jax.lax.scan(step, (draft_cache, first[:, 1]), n + jnp.arange(k - 1))
+  proposals = jnp.concatenate([first[:, 1:], rest.T], axis=1)  # [batch, k]
+  fed = jnp.concatenate([jax.lax.dynamic_slice_in_dim(tokens, n - 1, 1, axis=1), proposals], axis=1)
+  verdict, target_cache = run_target(target_cache, fed, n - 1)  # the target's token after each of the k+1
+  agree = jnp.cumprod(proposals == verdict[:, :k], axis=1).sum(axis=1).min()  # every row accepts as many
+  # The accepted proposals equal the target's tokens; those past n + agree are rewritten next round.
+  tokens = jax.lax.dynamic_update_slice_in_dim(tokens, verdict, n, axis=1)
+  return tokens, n + agree + 1, target_cache, draft_cache, rounds + 1, accepted + agree
+
+
+def speculative_generate(target, draft, prompt, comm: Collectives, k: int, new_tokens: int,
+                         replay_rounds: int | None = None):
+  """Greedy speculative decoding of prompt [batch, P] in one lax.while_loop.
+  Returns (tokens [batch, P + new_tokens], rounds, accepted draft tokens).
+
+  With replay_rounds, runs that many rounds at the prompt's position instead
+  (each redoes the first round): the timing of a round with the same work on
+  every rank, which the "none" variant needs (its ranks disagree on tokens,
+  so their generations would run different numbers of rounds)."""
+  end = prompt.shape[1] + new_tokens
+  state = prefill(target, draft, prompt, comm, k, new_tokens)
+  round_ = lambda state: decode_round(target, draft, state, comm, k)  # noqa: E731
   if replay_rounds is None:
     state = jax.lax.while_loop(lambda state: state[1] < end, round_, state)
   else:
+    def replay(_, state):  # the round again at the same position: n stays
+      tokens, _, *rest = round_(state)
+      return (tokens, state[1], *rest)
+
     state = jax.lax.fori_loop(0, replay_rounds, replay, state)
   tokens, _, _, _, rounds, accepted = state
   return tokens[:, :end], rounds, accepted
@@ -401,6 +417,47 @@ def time_variant(mesh, kind: str, target, draft, prompt, progress: _runner.Progr
   return Timing(tokens, int(rounds), int(accepted), float(np.median(times)))
 
 
+CACHE_SPECS = {"k": P(None, None, None, AXIS, None), "v": P(None, None, None, AXIS, None)}  # kv heads split
+STATE_SPECS = (P(), P(), CACHE_SPECS, CACHE_SPECS, P(), P())  # prefill's state
+
+
+def time_host_loop(mesh, kind: str, target, draft, prompt, progress: _runner.Progress) -> Timing:
+  """The generation as a serving loop runs it: the prefill and then one
+  jitted round per dispatch from Python. The loop's stop test reads the
+  round before the one just dispatched, so the host stays a round ahead of
+  the devices; a round dispatched after the last changes nothing."""
+  collectives = COLLECTIVES[kind.split("-")[0]]
+  end = args.prompt + args.new_tokens
+
+  def round_unless_done(t, d, state):
+    return jax.lax.cond(state[1] < end, lambda s: decode_round(t, d, s, collectives, args.k), lambda s: s, state)
+
+  start = jax.jit(jax.shard_map(lambda t, d, p: prefill(t, d, p, collectives, args.k, args.new_tokens), mesh=mesh,
+                                in_specs=(PARAM_SPECS, PARAM_SPECS, P()), out_specs=STATE_SPECS))
+  next_round = jax.jit(jax.shard_map(round_unless_done, mesh=mesh, in_specs=(PARAM_SPECS, PARAM_SPECS, STATE_SPECS),
+                                     out_specs=STATE_SPECS))
+
+  def generate():
+    state = start(target, draft, prompt)
+    while True:
+      after = next_round(target, draft, state)
+      if int(state[1].addressable_data(0)) >= end:
+        return after
+      state = after
+
+  state = jax.block_until_ready(generate())  # compiles
+  progress.step(f"{kind} host loop: compiled")
+  times = []
+  for i in range(args.repeats):
+    begin = time.perf_counter()
+    state = jax.block_until_ready(generate())
+    times.append(time.perf_counter() - begin)
+    progress.step(f"{kind} host loop: run {i + 1}/{args.repeats}")
+  tokens = np.asarray(state[0].addressable_data(0))[:, :end]  # replicated
+  rounds, accepted = (int(x.addressable_data(0)) for x in state[4:])
+  return Timing(tokens, rounds, accepted, float(np.median(times)))
+
+
 def check_args(n: int) -> None:
   """Exits naming the argument when the sizes do not split over n ranks."""
   for name, value in (("--heads", args.heads), ("--kv-heads", args.kv_heads), ("--ffn", args.ffn),
@@ -455,10 +512,11 @@ def main() -> None:
   b12x_kinds = ("b12x", "b12x-triton") if devices[0].platform == "gpu" else ("b12x",)
   kinds = b12x_kinds if args.shared_gpu else (*b12x_kinds, "psum")
   comm = b12x_jax.get_communicator()
-  progress = _runner.Progress(len(kinds) * (1 + args.repeats) + (len(kinds) + 1) * (1 + args.repeats) + 1)
+  loops = len(kinds) if args.host_loop else 0
+  progress = _runner.Progress((2 * len(kinds) + 1 + loops) * (1 + args.repeats) + 1)
   # Each variant's generation (checked below) and a round's time, and a
   # round's time with no collective (the share of the collectives).
-  gen, rounds, kernels = {}, {}, {}
+  gen, rounds, kernels, host_loop = {}, {}, {}, {}
   for kind in kinds:
     if kind == "b12x-triton":  # a Communicator of its own: the channels of the first are released
       comm.close()
@@ -470,6 +528,9 @@ def main() -> None:
       paths = sorted({f"{d.op} {d.path}" for d in comm.decisions if d.channel in ("target", "draft")})
     rounds[kind] = time_variant(mesh, kind, target, draft, prompt, progress, REPLAY_ROUNDS)
     b12x_jax.check_errors()
+    if args.host_loop:
+      host_loop[kind] = time_host_loop(mesh, kind, target, draft, prompt, progress)
+      b12x_jax.check_errors()
     if kind.startswith("b12x"):
       kernels[kind] = sorted({f"{d.op} {d.kernel}" for d in b12x_jax.get_communicator().decisions if d.kernel})
   rounds["none"] = time_variant(mesh, "none", target, draft, prompt, progress, REPLAY_ROUNDS)
@@ -490,9 +551,10 @@ def main() -> None:
   share = {kind: 1 - ms_per_round["none"] / ms_per_round[kind] for kind in kinds}
   fused, plain = collectives_per_pass(args.layers)
   draft_fused, draft_plain = collectives_per_pass(args.draft_layers)
-  # One target pass and k draft passes per round, one of each for the prompt.
-  target_calls = (1 + b12x.rounds) * (fused + plain)
-  draft_calls = (1 + b12x.rounds * args.k) * (draft_fused + draft_plain)
+  # One target pass and k draft passes per round, one of each for the prompt,
+  # whose argmax nobody reads: JAX drops that call, as it would drop a psum.
+  target_calls = (1 + b12x.rounds) * (fused + plain) - 1
+  draft_calls = (1 + b12x.rounds * args.k) * (draft_fused + draft_plain) - 1
   generations = 1 + args.repeats
 
   def row(label: str, values, fmt: str) -> None:
@@ -501,6 +563,8 @@ def main() -> None:
   row("", kinds, ">13s")
   row("ms per token (latency)", [gen[k].seconds / args.new_tokens * 1e3 for k in kinds], "13.3f")
   row("tokens/s", [args.batch * args.new_tokens / gen[k].seconds for k in kinds], "13.1f")
+  if host_loop:
+    row("ms per token, round per dispatch", [host_loop[k].seconds / args.new_tokens * 1e3 for k in kinds], "13.3f")
   row("ms per round (k drafts + verify)", [ms_per_round[k] for k in kinds], "13.3f")
   print(f"{'':36s}(no collectives: {ms_per_round['none']:.3f})")
   row("collectives share of a round", [share[k] for k in kinds], "13.0%")
@@ -526,8 +590,13 @@ def main() -> None:
 
   logits_of = jax.jit(jax.shard_map(teacher_forced_logits, mesh=one_device, in_specs=(PARAM_SPECS, P()),
                                     out_specs=P(), check_vma=False))
+  for kind, t in host_loop.items():
+    if (t.rounds, t.accepted) != (gen[kind].rounds, gen[kind].accepted):
+      sys.exit(f"{kind}: the host loop ran {t.rounds} rounds accepting {t.accepted} draft tokens, the device loop "
+               f"{gen[kind].rounds} accepting {gen[kind].accepted}")
+  runs = {**gen, **{f"{kind} (round per dispatch)": t for kind, t in host_loop.items()}}
   notes = {kind: check_tokens(kind, t.tokens, want, lambda got: logits_of(one_device_target, got))
-           for kind, t in gen.items()}
+           for kind, t in runs.items()}
   equal = [kind for kind, note in notes.items() if note is None]
   if equal:
     print(f"tokens equal plain greedy decoding of the target on one device ({', '.join(equal)}; {args.batch} x "

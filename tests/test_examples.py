@@ -31,10 +31,12 @@ def test_speculative_decoding_tokens_equal_greedy_decoding_on_one_device(tmp_pat
   # float32: rounding cannot split greedy choices, so both variants must equal the reference exactly.
   png = tmp_path / "speculative.png"
   proc = run_example("speculative_decoding.py", "--batch", "2", "--k", "3", "--new-tokens", "20", "--repeats", "1",
-                     "--plot", str(png))
+                     "--plot", str(png), "--host-loop")
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   out = proc.stdout
-  assert "tokens equal plain greedy decoding of the target on one device (b12x, psum; 2 x 20 new tokens)" in out, out
+  # The device-resident loop and the loop of one jitted round per dispatch from Python, both checked.
+  assert ("tokens equal plain greedy decoding of the target on one device (b12x, psum, b12x (round per dispatch), "
+          "psum (round per dispatch); 2 x 20 new tokens)") in out, out
   assert out.rstrip().endswith("speculative decoding OK")
   # Every collective the model counts ran on a b12x channel, once.
   epochs = re.search(r"b12x channel epochs per generation: target (\d+), draft (\d+) "
@@ -43,7 +45,8 @@ def test_speculative_decoding_tokens_equal_greedy_decoding_on_one_device(tmp_pat
   assert epochs.group(1) == epochs.group(3) and epochs.group(2) == epochs.group(4), epochs.group(0)
   paths = re.search(r"paths taken by the b12x calls \(comm.decisions\): (.*)", out).group(1)
   assert paths == "all_reduce b12x, all_reduce_residual_rmsnorm b12x", paths
-  for row in ("ms per token (latency)", "tokens/s", "collectives share of a round", "acceptance"):
+  for row in ("ms per token (latency)", "tokens/s", "ms per token, round per dispatch", "collectives share of a round",
+              "acceptance"):
     assert row in out, row
   assert _plotted(out, png), out
 
@@ -62,8 +65,9 @@ def test_dcp_decode_matches_full_attention_in_float64_on_four_ranks(tmp_path):
 
 
 @pytest.mark.parametrize(("name", "args", "check"), [
-    ("speculative_decoding.py", ("--layers", "2", "--new-tokens", "12", "--repeats", "1"),
-     "tokens equal plain greedy decoding of the target on one device (b12x, psum; 1 x 12 new tokens)"),
+    ("speculative_decoding.py", ("--layers", "2", "--new-tokens", "12", "--repeats", "1", "--host-loop"),
+     "tokens equal plain greedy decoding of the target on one device (b12x, psum, b12x (round per dispatch), psum "
+     "(round per dispatch); 1 x 12 new tokens)"),
     ("dcp_decode.py", ("--steps", "8", "--repeats", "1"), "relative error over 8 steps"),
 ])
 def test_the_examples_run_as_two_processes_of_one_device_each(name, args, check):

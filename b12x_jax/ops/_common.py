@@ -13,7 +13,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from b12x_jax import _compat, _native
-from b12x_jax.channels import channel_memory, channel_order
+from b12x_jax.channels import channel_order
 from b12x_jax.communicator import get_communicator, partition_key
 from b12x_jax.errors import ChannelError
 
@@ -105,7 +105,7 @@ def _lowering(op: str, target: str, fallback: Callable, fallback_path: str) -> C
     comm = get_communicator()
     if comm.ensure_prepared(op, channel, groups, fallback_path) is not None:
       return fallback_rule(ctx, *args, axis_name=axis_name, **params)
-    effect = channel_order(channel)
+    effect = channel_order(channel, axis_name)
     token_in = ctx.tokens_in.get(effect)
     triton = None
     if kernel == "triton":
@@ -213,8 +213,8 @@ def differentiate_by_fallback(primitive: Primitive, fallback: Callable) -> None:
 def collective_primitive(name: str, op: str, abstract_eval: Callable, fallback: Callable,
                          fallback_path: str = "psum", multiple_results: bool = False) -> Primitive:
   """The primitive of one b12x op, registered: ``abstract_eval`` (the
-  output avals, without effects) plus the call's effects (the ChannelOrder
-  of its channel, channel_memory: channels.py), an
+  output avals, without effects) plus the call's effect (the ChannelOrder
+  of its channel and axis: channels.py), an
   eager rule that says where the op runs, the b12x lowering on CPU and CUDA,
   and ``fallback`` (which takes the op's parameters but ``channel``) on every
   other platform. The FFI target is named like the primitive."""
@@ -222,7 +222,7 @@ def collective_primitive(name: str, op: str, abstract_eval: Callable, fallback: 
   primitive.multiple_results = multiple_results
 
   def effectful_abstract_eval(*avals, channel: str, **params):
-    return abstract_eval(*avals, channel=channel, **params), {channel_order(channel), channel_memory}
+    return abstract_eval(*avals, channel=channel, **params), {channel_order(channel, params["axis_name"])}
 
   def eager(*args, axis_name: str, channel: str, **params):
     raise ValueError(f"b12x_jax.{op} runs inside jax.shard_map under jax.jit, not eagerly "
