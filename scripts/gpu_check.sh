@@ -59,7 +59,7 @@ echo "== examples for correctness: 2 processes on GPU 0 (--shared-gpu, under MPS
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/b12x_examples_mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/b12x_examples_mps/log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 /usr/local/nvidia/bin/nvidia-cuda-mps-control -d || echo "MPS did not start: the processes time-slice GPU 0"
-for example in "speculative_decoding.py --batch 2 --repeats 1 --dtype bfloat16" "dcp_decode.py --repeats 2"; do
+for example in "speculative_decoding.py --batch 2 --repeats 1 --dtype bfloat16 --host-loop" "dcp_decode.py --repeats 2"; do
   timeout 300 $PY examples/$example --processes 2 --shared-gpu 2>&1 | grep -E "OK$|equal|differ|error|Error|mesh" | tail -5
   example_rc=${PIPESTATUS[0]}
   echo "examples/${example%% *}: rc=$example_rc"

@@ -590,6 +590,61 @@ def independent_mode(args) -> dict:
   return {"wrong": wrong, "results": runs * calls}
 
 
+def _skewed(v, rank):
+  """``v``, after a chain of matmuls on ``rank`` only: the ranks reach what
+  follows at different times."""
+  import jax
+  import jax.numpy as jnp
+
+  def heavy(v):
+    a = jnp.tile(v[:256], (256, 1)) * 1e-3
+    for _ in range(30):
+      a = jnp.tanh(a @ a.T)
+    return v + 0 * a[0, 0]
+  return jax.lax.cond(jax.lax.axis_index("x") == rank, heavy, lambda v: v, v)
+
+
+def dispatch_order_mode(args) -> dict:
+  """Calls that nothing but their order keeps apart (docs/DESIGN.md, "Call
+  order"), on one channel, with equal shapes (so equal tags), across
+  processes: (a) two executables dispatched alternately, 8 at a time
+  without waiting, the one with matmuls before its call on rank 0 only;
+  (b) one jitted function of four consecutive shard_maps of one call each,
+  whose inputs do not depend on each other, the first after rank 0's
+  matmuls, the third after rank 1's. 10 rounds on fresh integer inputs.
+  Returns how many of this process's results were wrong."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  from helpers import integer_shards
+  b12x_jax.set_communicator(_communicator(args))
+  mesh, me, n, elems = _mesh(), jax.process_index(), jax.device_count(), 1024
+  smap = lambda f: jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)  # noqa: E731
+  skewed_call = jax.jit(smap(lambda v: b12x_jax.all_reduce(_skewed(v, 0), "x")))
+  plain_call = jax.jit(smap(lambda v: b12x_jax.all_reduce(v, "x")))
+  siblings = jax.jit(lambda x: [smap(lambda v: b12x_jax.all_reduce(_skewed(v, 0), "x"))(x[0]),
+                                smap(lambda v: b12x_jax.all_reduce(v, "x"))(x[1]),
+                                smap(lambda v: b12x_jax.all_reduce(_skewed(v, 1 % n), "x"))(x[2]),
+                                smap(lambda v: b12x_jax.all_reduce(v, "x"))(x[3])])
+  put = lambda rows: jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), rows)  # noqa: E731
+  rng = np.random.default_rng(8)  # the same shards in every process
+  wrong = results = 0
+  with b12x_jax.channel("dispatch-order"):
+    for _ in range(10):
+      shards = integer_shards(rng, 12, n, elems)  # [12, n, elems]
+      outs = [(f(put(shards[k, me])), k) for k, f in enumerate([skewed_call, plain_call] * 4)]
+      together = siblings([put(shards[8 + k, me]) for k in range(4)])
+      outs += [(got, 8 + k) for k, got in enumerate(together)]
+      for got, k in outs:
+        wrong += int((np.asarray(got.addressable_shards[0].data) != shards[k].sum(axis=0, dtype=np.float64)).any())
+        results += 1
+  b12x_jax.check_errors()
+  return {"wrong": wrong, "results": results}
+
+
 def late_start_mode(args) -> dict:
   """Process 1 reaches its first execution on a freshly prepared channel
   ``--late`` seconds after the others (compilation, weight loading), far
@@ -950,7 +1005,8 @@ MODES = {"loops": loops_mode, "same_program": same_program_mode, "drop_in": drop
          "never_joins": never_joins_mode, "close_twice": close_twice_mode, "throwaway": throwaway_mode,
          "exit_pending": exit_pending_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,
          "residual_rmsnorm": residual_rmsnorm_mode, "never_calls": never_calls_mode, "mismatch": mismatch_mode, "reprepare": reprepare_mode,
-         "independent": independent_mode, "late_start": late_start_mode, "wrap": wrap_mode,
+         "independent": independent_mode, "dispatch_order": dispatch_order_mode, "late_start": late_start_mode,
+         "wrap": wrap_mode,
          "triton": triton_mode}
 
 

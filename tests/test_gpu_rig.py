@@ -78,10 +78,20 @@ def test_a_rank_that_never_calls_gives_the_others_the_timeout_error_and_nan(gpu_
   check_never_calls(gpu_rig("never_calls", n, "--timeout", "2"), "2", "cuda")
 
 
+@pytest.mark.parametrize("graphs", ["on", "off"])
 @pytest.mark.parametrize("n", WORLDS)
-def test_independent_calls_on_one_channel_run_in_program_order(gpu_rig, n):
-  for r in gpu_rig("independent", n, hard_timeout=240):
+def test_independent_calls_on_one_channel_run_in_program_order(gpu_rig, n, graphs):
+  # Graphs on: XLA captures the calls in a CUDA graph, whose commands it
+  # orders by its schedule, which follows the channel's token.
+  for r in gpu_rig("independent", n, env=GRAPHS_OFF if graphs == "off" else None, hard_timeout=240):
     assert r == {"wrong": 0, "results": 20 * 32}, r
+
+
+@pytest.mark.parametrize("graphs", ["on", "off"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_calls_of_back_to_back_executables_and_of_consecutive_shard_maps_run_in_one_order(gpu_rig, n, graphs):
+  for r in gpu_rig("dispatch_order", n, env=GRAPHS_OFF if graphs == "off" else None, hard_timeout=240):
+    assert r == {"wrong": 0, "results": 10 * 12}, r
 
 
 def test_a_process_that_reaches_its_first_call_15_s_late_is_waited_for(gpu_rig):

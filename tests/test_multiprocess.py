@@ -273,6 +273,14 @@ def test_independent_calls_on_one_channel_run_in_program_order_across_processes(
     assert r == {"wrong": 0, "results": 20 * 32}, r
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_calls_of_back_to_back_executables_and_of_consecutive_shard_maps_run_in_one_order(multiprocess, n):
+  # No token crosses executables or shard_maps (docs/DESIGN.md, "Call order"):
+  # the device's queue and the module's chain keep them, with equal tags.
+  for r in multiprocess("dispatch_order", n, hard_timeout=240):
+    assert r == {"wrong": 0, "results": 10 * 12}, r
+
+
 def test_a_process_that_reaches_its_first_call_15_s_late_is_waited_for(multiprocess):
   results = multiprocess("late_start", 2, "--timeout", "2", "--setup-timeout", "40", "--late", "15",
                          hard_timeout=180)
