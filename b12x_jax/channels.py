@@ -14,8 +14,7 @@ Known escapes (by construction of JAX, documented and tested):
   * other Python threads do not see a scope entered in this thread;
   * a ``vjp_fn`` called outside the scope traces under the scope active then;
   * AOT-compiled (``lower().compile()``) and exported functions keep the
-    channel they were lowered with (an exported one names it in its ordered
-    effect, ``channel_order``).
+    channel they were lowered with (in each call's ``channel_id``).
 """
 
 from __future__ import annotations

@@ -617,7 +617,7 @@ def _close_at_exit() -> None:
   # still run inside XLA while the process tears down.
   try:
     if _active is not None and _active.prepared_channels():
-      _active.close()  # release first waits for this thread's executions (channels.settle)
+      _active.close()  # release first waits for the dispatched executions (settle)
   finally:
     _native.shutdown_host_progress(2 * (_active.timeout_s if _active is not None else 10.0) + 1)
 

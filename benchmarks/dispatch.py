@@ -37,6 +37,7 @@ import numpy as np
 from _common import gpu_count, per_op_us
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from loopback_kernels import chained
 
 import b12x_jax
 
@@ -85,12 +86,7 @@ def call_device_us(mesh, elems: int, iters: int) -> float:
   """The device time of one b12x call of ``elems`` float32 words: per-op
   time of 64 chained calls in one executable (benchmarks/_common.py)."""
   ops = 64
-
-  def body(y):
-    for _ in range(ops):
-      y = b12x_jax.all_reduce(y, "x")
-    return y
-  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  fn = chained(mesh, ops)
   y = jax.device_put(np.ones(elems, np.float32), NamedSharding(mesh, P("x")))
   return per_op_us(lambda: fn(y), ops, iters)
 

@@ -237,13 +237,18 @@ def on_channel(name: str, fn):
 # -- decoding -------------------------------------------------------------------------
 
 
+def runners(target, draft, comm: Collectives):
+  """(target forward, draft forward), each traced on its own b12x channel."""
+  return (on_channel("target", lambda cache, toks, pos: forward(target, cache, toks, pos, comm)),
+          on_channel("draft", lambda cache, toks, pos: forward(draft, cache, toks, pos, comm)))
+
+
 def prefill(target, draft, prompt, comm: Collectives, k: int, new_tokens: int):
   """The decoding state after the prompt: (tokens [batch, P + new_tokens + k],
   n known tokens, target cache, draft cache, rounds, accepted draft tokens)."""
   batch, p = prompt.shape
   end = p + new_tokens
-  run_target = on_channel("target", lambda cache, toks, pos: forward(target, cache, toks, pos, comm))
-  run_draft = on_channel("draft", lambda cache, toks, pos: forward(draft, cache, toks, pos, comm))
+  run_target, run_draft = runners(target, draft, comm)
   tokens = jnp.zeros((batch, end + k), jnp.int32).at[:, :p].set(prompt)  # room for a last round's k+1
   # Both caches hold positions [0, n-1) of the n known tokens: the last is fed next.
   _, target_cache = run_target(new_cache(target, batch, end + k), prompt[:, :-1], 0)
@@ -261,8 +266,7 @@ def decode_round(target, draft, state, comm: Collectives, k: int):
   """One round: the draft proposes k tokens (lax.scan), the target scores the
   k+1 positions in one pass, and the longest prefix every row agrees on plus
   the target's own next token is kept. Returns the next state."""
-  run_target = on_channel("target", lambda cache, toks, pos: forward(target, cache, toks, pos, comm))
-  run_draft = on_channel("draft", lambda cache, toks, pos: forward(draft, cache, toks, pos, comm))
+  run_target, run_draft = runners(target, draft, comm)
   tokens, n, target_cache, draft_cache, rounds, accepted = state
   # Re-feed the token before the last too: after a round that accepted all
   # k proposals the draft's cache lacks that position.
@@ -405,16 +409,22 @@ def time_variant(mesh, kind: str, target, draft, prompt, progress: _runner.Progr
   run = jax.jit(jax.shard_map(generate, mesh=mesh, in_specs=(PARAM_SPECS, PARAM_SPECS, P()),
                               out_specs=(P(), P(), P()), check_vma=kind != "none"))
   what = "generation" if replay_rounds is None else f"{replay_rounds} rounds"
-  tokens, rounds, accepted = jax.block_until_ready(run(target, draft, prompt))  # compiles
-  progress.step(f"{kind} {what}: compiled")
+  (tokens, rounds, accepted), seconds = timed(lambda: run(target, draft, prompt), f"{kind} {what}", progress)
+  tokens, rounds, accepted = (np.asarray(x.addressable_data(0)) for x in (tokens, rounds, accepted))  # replicated
+  return Timing(tokens, int(rounds), int(accepted), seconds)
+
+
+def timed(run: Callable, label: str, progress: _runner.Progress):
+  """(run()'s result, the median seconds of --repeats runs after the one that compiles)."""
+  result = jax.block_until_ready(run())  # compiles
+  progress.step(f"{label}: compiled")
   times = []
   for i in range(args.repeats):  # one execution at a time: XLA:CPU can hang on queued multi-device runs
     start = time.perf_counter()
-    jax.block_until_ready(run(target, draft, prompt))
+    result = jax.block_until_ready(run())
     times.append(time.perf_counter() - start)
-    progress.step(f"{kind} {what}: run {i + 1}/{args.repeats}")
-  tokens, rounds, accepted = (np.asarray(x.addressable_data(0)) for x in (tokens, rounds, accepted))  # replicated
-  return Timing(tokens, int(rounds), int(accepted), float(np.median(times)))
+    progress.step(f"{label}: run {i + 1}/{args.repeats}")
+  return result, float(np.median(times))
 
 
 CACHE_SPECS = {"k": P(None, None, None, AXIS, None), "v": P(None, None, None, AXIS, None)}  # kv heads split
@@ -445,17 +455,10 @@ def time_host_loop(mesh, kind: str, target, draft, prompt, progress: _runner.Pro
         return after
       state = after
 
-  state = jax.block_until_ready(generate())  # compiles
-  progress.step(f"{kind} host loop: compiled")
-  times = []
-  for i in range(args.repeats):
-    begin = time.perf_counter()
-    state = jax.block_until_ready(generate())
-    times.append(time.perf_counter() - begin)
-    progress.step(f"{kind} host loop: run {i + 1}/{args.repeats}")
+  state, seconds = timed(generate, f"{kind} host loop", progress)
   tokens = np.asarray(state[0].addressable_data(0))[:, :end]  # replicated
   rounds, accepted = (int(x.addressable_data(0)) for x in state[4:])
-  return Timing(tokens, rounds, accepted, float(np.median(times)))
+  return Timing(tokens, rounds, accepted, seconds)
 
 
 def check_args(n: int) -> None:

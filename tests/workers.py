@@ -354,8 +354,8 @@ def race_mode(args) -> dict:
 
 def close_pending_mode(args) -> dict:
   """``runs`` calls dispatched without waiting, then close() at once. close
-  waits for every execution this thread dispatched (the channel's order
-  tokens, channels.settle), so every result is right; a second close() is
+  waits for every dispatched execution (communicator.settle), so every
+  result is right; a second close() is
   harmless. Any failure is reported, never a wrong number or a crash."""
   import jax
   import numpy as np
