@@ -111,14 +111,27 @@ def lamport_cell_bytes(options, blocks: int) -> int:
   return int(_b12x.lamport_cell_bytes(options, blocks))
 
 
-def dcp_lamport_plan(cell_bytes: int, max_blocks: int, batch: int, heads: int, world: int,
-                     row_bytes: int) -> tuple[int, int, tuple[int, int, int, int]]:
+def dcp_lamport_plan(cell_bytes: int, max_blocks: int, batch: int, heads: int, world: int, row_bytes: int, *,
+                     dtype: str, site: int, base2: bool) -> tuple[int, int, tuple[int, int, int, int]]:
   """(grid, rows per block, tag) of a dcp_a2a call of out [batch, heads,
-  row_bytes] over ``world`` ranks in Lamport cells of ``cell_bytes`` in
-  ``max_blocks`` blocks, as both kernels plan it (ffi/dcp.h
-  plan_dcp_lamport); grid 0 where the rows do not fit."""
-  grid, per_block, tag = _b12x.dcp_lamport_plan(cell_bytes, max_blocks, batch, heads, world, row_bytes)
+  row_bytes] of ``dtype`` at ``site`` (lse in base 2 where ``base2``) over
+  ``world`` ranks in Lamport cells of ``cell_bytes`` in ``max_blocks``
+  blocks, as both kernels plan it (ffi/dcp.h plan_dcp_lamport); grid 0
+  where the rows do not fit."""
+  grid, per_block, tag = _b12x.dcp_lamport_plan(cell_bytes, max_blocks, batch, heads, world, row_bytes, dtype, site,
+                                                base2)
   return int(grid), int(per_block), tuple(int(t) for t in tag)
+
+
+def rows_tag(rows: int, row_bytes: int, grid: int, *, dtype: str, site: int) -> tuple[int, int, int, int]:
+  """The call tag of the fused op on ``rows`` rows of ``row_bytes`` of
+  ``dtype`` over ``grid`` blocks at ``site`` (ffi/rmsnorm.h RowsPlan::tag)."""
+  return tuple(int(t) for t in _b12x.rows_tag(rows, row_bytes, grid, dtype, site))
+
+
+def name_site(site: int, name: str) -> None:
+  """Names call site ``site`` in this process's error messages."""
+  _b12x.name_site(site, name)
 
 
 def dcp_tag_limits() -> tuple[int, int]:
@@ -178,14 +191,15 @@ def start_counters(platform: str, channel: str, calls: int) -> None:
     _b12x.start_counters(platform, channel, calls)
 
 
-def kernel_view(platform: str, channel: str, partition: str, ordinal: int, nbytes: int) -> dict:
+def kernel_view(platform: str, channel: str, partition: str, ordinal: int, nbytes: int, *, dtype: str,
+                site: int) -> dict:
   """What a kernel outside the native layer needs for an all_reduce of
-  ``nbytes`` on device ``ordinal``'s rank of the prepared channel: device
-  addresses (valid for the life of the process, DESIGN C16), the
-  preparation's generation, the layout, the plan, the protocol's constants
-  (ffi/bindings.cc kernel_view)."""
+  ``nbytes`` of ``dtype`` at ``site`` on device ``ordinal``'s rank of the
+  prepared channel: device addresses (valid for the life of the process,
+  DESIGN C16), the preparation's generation, the layout, the plan and its
+  tag, the protocol's constants (ffi/bindings.cc kernel_view)."""
   with _native_errors(f"reading the kernel view of channel {channel!r} on device {ordinal}"):
-    return dict(_b12x.kernel_view(platform, channel, partition, ordinal, nbytes))
+    return dict(_b12x.kernel_view(platform, channel, partition, ordinal, nbytes, dtype, site))
 
 
 def pending_errors() -> list[str]:

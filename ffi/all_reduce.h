@@ -43,9 +43,9 @@ struct Plan {
   size_t shard_packs;
   size_t per_block;
 
-  B12X_HD CallTag tag() const {
-    return CallTag{static_cast<uint32_t>(Op::kAllReduce), static_cast<uint32_t>(algorithm),
-                   static_cast<uint32_t>(packs), static_cast<uint32_t>(grid)};
+  // The tag of this plan's call on elements of `dtype` at `site` (channel.h).
+  B12X_HD CallTag tag(DType dtype, uint32_t site) const {
+    return make_tag(Op::kAllReduce, static_cast<uint32_t>(dtype), grid, static_cast<uint32_t>(algorithm), packs, site);
   }
 };
 

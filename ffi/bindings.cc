@@ -18,6 +18,7 @@
 #include "cpu/progress.h"
 #include "cpu/shm_channel.h"
 #include "registry.h"
+#include "rmsnorm.h"
 #include "shared_group.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -57,6 +58,15 @@ void add_group(std::unique_ptr<ChannelGroup> group, const std::string& partition
   const std::string problem = Registry::get().add(std::move(group));
   if (!problem.empty()) throw std::invalid_argument("b12x_jax: " + problem);
 }
+
+DType parse_dtype(const std::string& dtype) {
+  if (dtype == "float32") return DType::kF32;
+  if (dtype == "bfloat16") return DType::kBF16;
+  if (dtype == "float16") return DType::kF16;
+  throw std::invalid_argument("b12x_jax: no b12x call takes dtype '" + dtype + "'");
+}
+
+nb::tuple tag_tuple(const CallTag& tag) { return nb::make_tuple(tag.call, tag.algorithm, tag.packs, tag.site); }
 
 RankHandle find_or_throw(const std::string& platform, const std::string& channel, int ordinal) {
   RankHandle handle = Registry::get().find(parse_platform(platform), channel, {}, ordinal);
@@ -157,23 +167,36 @@ NB_MODULE(_b12x, m) {
   }, nb::arg("options"), nb::arg("blocks"),
      "Bytes of one Lamport cell of a channel prepared with `options` and `blocks` blocks (0: no Lamport path).");
 
-  m.def("dcp_lamport_plan", [](size_t cell_bytes, int max_blocks, int batch, int heads, int world, size_t row_bytes) {
+  m.def("dcp_lamport_plan", [](size_t cell_bytes, int max_blocks, int batch, int heads, int world, size_t row_bytes,
+                               const std::string& dtype, uint32_t site, bool base2) {
     if (max_blocks < 1 || max_blocks > kMaxBlocks) throw std::invalid_argument("b12x_jax: blocks must be in [1, 64]");
     if (world < 1 || world > kMaxRanks || heads % world != 0 || row_bytes % kPackBytes != 0 ||
         !dcp_tag_carries(heads, row_bytes / kPackBytes)) {
       return nb::make_tuple(0, 0, nb::make_tuple(0, 0, 0, 0));  // no channel serves the call
     }
     const StagingLayout cells{cell_bytes, world, max_blocks, kLamportBuffers};
-    const DcpShape shape{batch, heads, world, static_cast<int>(row_bytes / kPackBytes), false};
+    const DcpShape shape{batch, heads, world, static_cast<int>(row_bytes / kPackBytes), base2};
     const DcpPlan plan = plan_dcp_lamport(shape, cells);
-    const CallTag tag = plan.tag(shape);
-    return nb::make_tuple(plan.grid, plan.per_block, nb::make_tuple(tag.op, tag.algorithm, tag.packs, tag.grid));
+    return nb::make_tuple(plan.grid, plan.per_block, tag_tuple(plan.tag(shape, parse_dtype(dtype), site)));
   }, nb::arg("cell_bytes"), nb::arg("max_blocks"), nb::arg("batch"), nb::arg("heads"), nb::arg("world"),
-     nb::arg("row_bytes"),
-     "(grid, rows per block, tag) of a dcp_a2a call of out [batch, heads, row_bytes] in the Lamport cells of "
+     nb::arg("row_bytes"), nb::arg("dtype"), nb::arg("site"), nb::arg("base2"),
+     "(grid, rows per block, tag) of a dcp_a2a call of out [batch, heads, row_bytes] of `dtype` at `site` in the "
+     "Lamport cells of "
      "`cell_bytes` of `max_blocks` blocks (ffi/dcp.h plan_dcp_lamport); grid 0 where the rows do not fit or no "
      "channel serves the call (more than 8 ranks, heads not a multiple of them, rows not of whole packs, beyond "
      "dcp_tag_limits).");
+
+  m.def("rows_tag", [](int rows, size_t row_bytes, int grid, const std::string& dtype, uint32_t site) {
+    const DType type = parse_dtype(dtype);
+    const int item = type == DType::kF32 ? 4 : 2;
+    const RowsShape shape{rows, static_cast<int>(row_bytes / kPackBytes), static_cast<int>(row_bytes / item)};
+    return tag_tuple(RowsPlan{0, grid}.tag(shape, type, site));
+  }, nb::arg("rows"), nb::arg("row_bytes"), nb::arg("grid"), nb::arg("dtype"), nb::arg("site"),
+     "The call tag of the fused op on `rows` rows of `row_bytes` of `dtype` over `grid` blocks at `site` "
+     "(ffi/rmsnorm.h RowsPlan::tag).");
+
+  m.def("name_site", [](uint32_t site, const std::string& name) { name_site(site, name); }, nb::arg("site"),
+        nb::arg("name"), "Names a call site for error messages (ffi/registry.h name_site).");
 
   m.def("dcp_tag_limits", [] { return nb::make_tuple(kDcpMaxTagHeads, kDcpMaxTagRowPacks * kPackBytes); },
         "(heads, row bytes): the largest H and row of out a dcp_a2a call tag carries (ffi/dcp.h dcp_tag_algorithm).");
@@ -258,7 +281,7 @@ NB_MODULE(_b12x, m) {
      "had run. Only right after preparation, before any call on the channel, on every process of the group.");
 
   m.def("kernel_view", [](const std::string& platform, const std::string& channel, const std::string& partition,
-                          int ordinal, size_t bytes) {
+                          int ordinal, size_t bytes, const std::string& dtype, uint32_t site) {
     const RankHandle h = Registry::get().find(parse_platform(platform), channel, partition, ordinal);
     if (!h) throw std::invalid_argument(unprepared_message("all_reduce", channel, ordinal));
     const ChannelView& v = h.view();
@@ -305,8 +328,7 @@ NB_MODULE(_b12x, m) {
     out["grid"] = plan.grid;
     out["packs"] = plan.packs;
     out["per_block"] = plan.per_block;
-    out["tag_op"] = static_cast<uint32_t>(Op::kAllReduce);
-    out["tag_op_residual_rmsnorm"] = static_cast<uint32_t>(Op::kResidualRmsnorm);
+    out["tag"] = tag_tuple(plan.tag(parse_dtype(dtype), site));
     out["empty_word"] = kLamportEmptyWord;
     out["nan_word"] = kLamportNaNWord;
     out["buffers"] = kLamportBuffers;
@@ -319,7 +341,9 @@ NB_MODULE(_b12x, m) {
     out["error_offsets"] = error_offsets;
     return out;
   }, nb::arg("platform"), nb::arg("channel"), nb::arg("partition"), nb::arg("ordinal"), nb::arg("bytes"),
-     "What a kernel outside the native layer needs to run an all_reduce of `bytes` bytes on the channel's "
+     nb::arg("dtype"), nb::arg("site"),
+     "What a kernel outside the native layer needs to run an all_reduce of `bytes` bytes of `dtype` at `site` on "
+     "the channel's "
      "Lamport buffers with this rank (docs/DESIGN.md, \"Triton kernels\"): its device addresses (valid for the "
      "life of the process, DESIGN C16), the generation of this preparation, the layout, the plan "
      "(all_reduce.h plan_for) and the protocol's constants.");

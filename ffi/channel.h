@@ -33,28 +33,46 @@ inline constexpr size_t kPackBytes = 16;
 inline constexpr int kStagingSlots = 2;
 inline constexpr int kLamportBuffers = 3;
 
-// Signal region of one rank. Block b of a call synchronises with block b of
-// every peer through these words only, so blocks never wait on each other
-// inside a rank.
 // What one call is, announced with it and checked by every peer (DESIGN.md,
 // "The call tag"): two ranks that reach different calls on one channel stop
-// with an error naming both instead of mixing their data. Every field is
-// small (never the Lamport empty word 0xFFFFFFFF, lamport.h), and `op` is
-// never 0, so a tag nobody wrote never matches.
+// with an error naming both instead of mixing their data. Every word is
+// below 2^31 (never the Lamport empty word 0xFFFFFFFF, lamport.h), and the
+// op is never 0, so a tag nobody wrote never matches.
 struct alignas(16) CallTag {
-  uint32_t op;         // Op
-  uint32_t algorithm;  // Algorithm (all_reduce.h); 0 for ops with one protocol
+  uint32_t call;       // op, dtype, grid and the op's flags (make_tag)
+  uint32_t algorithm;  // the protocol and the op's shape class (all_reduce.h, rmsnorm.h, dcp.h)
   uint32_t packs;      // payload of the whole call, in 16-byte packs
-  uint32_t grid;       // blocks of the call (1 on the host backend)
+  uint32_t site;       // where the call stands in its program: the `site` attribute (b12x_jax/ops/_common.py)
 };
 static_assert(sizeof(CallTag) == kPackBytes);
 
 B12X_HD bool operator==(const CallTag& a, const CallTag& b) {
-  return a.op == b.op && a.algorithm == b.algorithm && a.packs == b.packs && a.grid == b.grid;
+  return a.call == b.call && a.algorithm == b.algorithm && a.packs == b.packs && a.site == b.site;
 }
 
 enum class Op : uint32_t { kAllReduce = 1, kResidualRmsnorm = 2, kDcpA2a = 3 };
 
+// A call's sites are 31-bit hashes; flags are the op's (dcp.h: the lse base).
+inline constexpr uint32_t kSiteMask = 0x7FFFFFFF;
+inline constexpr uint32_t kMaxTagFlags = 0x7F;
+
+// The tag of a call of `op` on elements of `dtype` (numeric.h DType) over
+// `grid` blocks (at most kMaxBlocks), the op's `algorithm` word, `packs`
+// in all and its `site`.
+B12X_HD CallTag make_tag(Op op, uint32_t dtype, int grid, uint32_t algorithm, size_t packs, uint32_t site,
+                         uint32_t flags = 0) {
+  const uint32_t call = static_cast<uint32_t>(op) | (dtype & 0xFF) << 8 | (static_cast<uint32_t>(grid) & 0xFF) << 16 |
+                        (flags & kMaxTagFlags) << 24;
+  return CallTag{call, algorithm & 0x7FFFFFFF, static_cast<uint32_t>(packs), site & kSiteMask};
+}
+B12X_HD uint32_t tag_op(const CallTag& t) { return t.call & 0xFF; }
+B12X_HD uint32_t tag_dtype(const CallTag& t) { return t.call >> 8 & 0xFF; }
+B12X_HD uint32_t tag_grid(const CallTag& t) { return t.call >> 16 & 0xFF; }
+B12X_HD uint32_t tag_flags(const CallTag& t) { return t.call >> 24 & kMaxTagFlags; }
+
+// Signal region of one rank. Block b of a call synchronises with block b of
+// every peer through these words only, so blocks never wait on each other
+// inside a rank.
 struct alignas(128) Signal {
   // counter[b][p]: barriers at which block b of this rank met peer p (one
   // per call, two for a two-shot all-reduce). It is the channel's epoch as

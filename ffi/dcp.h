@@ -77,6 +77,9 @@ B12X_HD bool dcp_tag_lamport(uint32_t algorithm) { return (algorithm & 3u) == st
 B12X_HD int dcp_tag_heads(uint32_t algorithm) { return static_cast<int>((algorithm >> 2) & kDcpMaxTagHeads); }
 B12X_HD int dcp_tag_row_packs(uint32_t algorithm) { return static_cast<int>((algorithm >> 17) & kDcpMaxTagRowPacks); }
 
+// The flag of a dcp_a2a tag whose lse are in base 2 (merged with exp2).
+inline constexpr uint32_t kDcpTagBase2 = 1;
+
 // How a call spreads its rows over blocks: block b owns rows
 // [b * per_block, min((b + 1) * per_block, rows)) on every rank, and stages
 // them in its own cell (channel.h: the reuse argument holds block by block).
@@ -88,10 +91,10 @@ struct DcpPlan {
   // The call's tag (channel.h): the input [B, H, D] in packs; the algorithm
   // word also carries H and D's packs (dcp_tag_algorithm), so calls of one
   // size and grid but other rows never pass for each other.
-  B12X_HD CallTag tag(const DcpShape& s) const {
+  B12X_HD CallTag tag(const DcpShape& s, DType dtype, uint32_t site) const {
     const size_t packs = static_cast<size_t>(s.batch) * s.heads * s.row_packs;
-    return CallTag{static_cast<uint32_t>(Op::kDcpA2a), dcp_tag_algorithm(lamport, s.heads, s.row_packs),
-                   static_cast<uint32_t>(packs), static_cast<uint32_t>(grid)};
+    return make_tag(Op::kDcpA2a, static_cast<uint32_t>(dtype), grid, dcp_tag_algorithm(lamport, s.heads, s.row_packs),
+                    packs, site, s.base2 ? kDcpTagBase2 : 0u);
   }
 };
 

@@ -97,10 +97,10 @@ template <class Mem>
 B12X_HD void lamport_push_header(const ChannelView& v, const LamportCall& c) {
   Pack header;
   static_assert(sizeof(header) == sizeof(c.tag));
-  header.words[0] = c.tag.op;
+  header.words[0] = c.tag.call;
   header.words[1] = c.tag.algorithm;
   header.words[2] = c.tag.packs;
-  header.words[3] = c.tag.grid;
+  header.words[3] = c.tag.site;
   for (int p = 0; p < v.world; ++p) {
     if (exchanges_with(v, p)) Mem::store_pack(c.header(v, p, c.buffer, v.rank), header);
   }

@@ -102,7 +102,7 @@ B12X_HD void record_failure(const ChannelView& v, uint32_t kind, int peer, uint3
 
 template <class Mem>
 B12X_HD CallTag load_tag(const CallTag* p) {
-  const uint32_t* w = &p->op;
+  const uint32_t* w = &p->call;
   return CallTag{Mem::load_relaxed(w), Mem::load_relaxed(w + 1), Mem::load_relaxed(w + 2), Mem::load_relaxed(w + 3)};
 }
 

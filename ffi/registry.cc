@@ -3,6 +3,8 @@
 #include <algorithm>
 
 #include <cstdio>
+#include <mutex>
+#include <unordered_map>
 #include <stdexcept>
 
 #include "dcp.h"
@@ -147,26 +149,54 @@ ChannelView base_view(const ChannelOptions& options, int world, int blocks) {
 
 namespace {
 
-// "all_reduce of 256 bytes (lamport, grid 1)": a call tag for a reader.
+// "all_reduce of 256 bytes (float32, lamport, grid 1) at site 0x2a (model.py:12
+// in layer)": a call tag for a reader.
 std::string describe(const CallTag& tag) {
   static const char* const ops[] = {"no call", "all_reduce", "all_reduce_residual_rmsnorm", "dcp_a2a"};
   static const char* const algorithms[] = {"one_shot", "two_shot", "one_shot_pull", "lamport"};
-  const std::string op = tag.op < 4 ? ops[tag.op] : "op " + std::to_string(tag.op);
-  const bool dcp = tag.op == static_cast<uint32_t>(Op::kDcpA2a);
-  std::string how = dcp ? std::to_string(dcp_tag_heads(tag.algorithm)) + " heads of " +
-                              std::to_string(dcp_tag_row_packs(tag.algorithm) * kPackBytes) + " bytes, " +
-                              (dcp_tag_lamport(tag.algorithm) ? "lamport, " : "")
-                    : tag.algorithm < 4 ? std::string(algorithms[tag.algorithm]) + ", "
-                                        : "algorithm " + std::to_string(tag.algorithm) + ", ";
-  return op + " of " + std::to_string(static_cast<uint64_t>(tag.packs) * kPackBytes) + " bytes (" + how + "grid " +
-         std::to_string(tag.grid) + ")";
+  static const char* const dtypes[] = {"float32", "bfloat16", "float16"};
+  const uint32_t op_code = tag_op(tag);
+  const std::string op = op_code < 4 ? ops[op_code] : "op " + std::to_string(op_code);
+  const std::string dtype = tag_dtype(tag) < 3 ? dtypes[tag_dtype(tag)] : "dtype " + std::to_string(tag_dtype(tag));
+  std::string how;
+  if (op_code == static_cast<uint32_t>(Op::kDcpA2a)) {
+    how = std::to_string(dcp_tag_heads(tag.algorithm)) + " heads of " +
+          std::to_string(dcp_tag_row_packs(tag.algorithm) * kPackBytes) + " bytes, lse base " +
+          (tag_flags(tag) & kDcpTagBase2 ? "2, " : "e, ") + (dcp_tag_lamport(tag.algorithm) ? "lamport, " : "");
+  } else if (op_code == static_cast<uint32_t>(Op::kResidualRmsnorm)) {
+    how = "rows of " + std::to_string((tag.algorithm >> 2) * kPackBytes) + " bytes, ";
+  } else {
+    how = tag.algorithm < 4 ? std::string(algorithms[tag.algorithm]) + ", " : "algorithm " + std::to_string(tag.algorithm) + ", ";
+  }
+  char site[16];
+  std::snprintf(site, sizeof(site), "0x%08x", tag.site);
+  const std::string where = site_name(tag.site);
+  return op + " of " + std::to_string(static_cast<uint64_t>(tag.packs) * kPackBytes) + " bytes (" + dtype + ", " + how +
+         "grid " + std::to_string(tag_grid(tag)) + ") at site " + site + (where.empty() ? "" : " (" + where + ")");
+}
+
+std::mutex site_mutex;
+std::unordered_map<uint32_t, std::string>& site_names() {
+  static auto* names = new std::unordered_map<uint32_t, std::string>();  // never destroyed: handlers may run at exit
+  return *names;
 }
 
 }  // namespace
 
+void name_site(uint32_t site, std::string name) {
+  std::lock_guard lock(site_mutex);
+  site_names().emplace(site & kSiteMask, std::move(name));
+}
+
+std::string site_name(uint32_t site) {
+  std::lock_guard lock(site_mutex);
+  const auto it = site_names().find(site);
+  return it == site_names().end() ? std::string() : it->second;
+}
+
 std::string timeout_message(const ChannelGroup& group, int rank) {
   const ErrorRecord& record = group.error_record(rank);
-  char text[900];
+  char text[2048];
   if (record.kind == kFailureStale) {
     std::snprintf(text, sizeof(text),
                   "b12x_jax: channel '%s' rank %d: an executable lowered for an earlier preparation of the channel "

@@ -185,6 +185,12 @@ class Registry {
   std::vector<std::unique_ptr<ChannelGroup>> released_;
 };
 
+// Where the calls of a site (channel.h CallTag::site) stand in their
+// program, as the Python layer traced them ("model.py:12 in layer"): error
+// messages name a call by it. A site this process never traced has none.
+void name_site(uint32_t site, std::string name);
+std::string site_name(uint32_t site);
+
 // "b12x_jax: channel 'x' rank r timed out ..." for a complete record.
 std::string timeout_message(const ChannelGroup& group, int rank);
 // Set when `rank`'s record is complete: the message for it.

@@ -52,9 +52,12 @@ struct RowsPlan {
   int rows_per_block;
   int grid;
 
-  B12X_HD CallTag tag(const RowsShape& s) const {
-    return CallTag{static_cast<uint32_t>(Op::kResidualRmsnorm), static_cast<uint32_t>(Algorithm::kLamport),
-                   static_cast<uint32_t>(static_cast<size_t>(s.rows) * s.row_packs), static_cast<uint32_t>(grid)};
+  // The call's tag (channel.h): its algorithm word carries the row's packs
+  // too, so calls of one size but other rows never pass for each other.
+  B12X_HD CallTag tag(const RowsShape& s, DType dtype, uint32_t site) const {
+    const uint32_t algorithm = static_cast<uint32_t>(Algorithm::kLamport) | static_cast<uint32_t>(s.row_packs) << 2;
+    return make_tag(Op::kResidualRmsnorm, static_cast<uint32_t>(dtype), grid, algorithm,
+                    static_cast<size_t>(s.rows) * s.row_packs, site);
   }
 };
 

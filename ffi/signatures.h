@@ -19,11 +19,15 @@ auto ordered_call(Binding&& binding) {
   return std::move(binding).template Ctx<xla::ffi::DeviceOrdinal>().template Arg<xla::ffi::Token>();
 }
 
-// The attributes every b12x call ends with: which channel, and which group
-// of it (the axis partition, registry.h).
+// The attributes every b12x call ends with: which channel, which group of
+// it (the axis partition, registry.h), and the call's site in its program
+// (channel.h CallTag).
 template <class Binding>
 auto on_channel(Binding&& binding) {
-  return std::move(binding).template Attr<std::string_view>("channel_id").template Attr<std::string_view>("group");
+  return std::move(binding)
+      .template Attr<std::string_view>("channel_id")
+      .template Attr<std::string_view>("group")
+      .template Attr<int32_t>("site");
 }
 
 template <class Binding>

@@ -130,12 +130,65 @@ def mismatch_program(op: str, n: int, rng: np.random.Generator):
     return fused_body, [rng.standard_normal((1, 8192)).astype(np.float32) for _ in range(2)] + [
         rng.standard_normal(8192).astype(np.float32)]
 
+  if op in MISMATCHES_AT_ONE_SITE:
+    return _one_site_mismatch(op, n, odd_one, rng)
+
+  if op == "all_reduce_site":  # one call at two places of the program, nothing else differs
+    def sites(x):
+      return jax.lax.cond(odd_one(), lambda: b12x_jax.all_reduce(x, "x"),
+                          lambda: b12x_jax.all_reduce(x, "x"))
+    return sites, [rng.standard_normal(64).astype(np.float32)]
+
   def small(v):
     return jnp.concatenate([b12x_jax.all_reduce(v[:64], "x"), jnp.full(64, jnp.nan, v.dtype)])
 
   def body(x):
     return jax.lax.cond(odd_one(), lambda v: b12x_jax.all_reduce(v, "x"), small, x)
   return body, [rng.standard_normal(128).astype(np.float32)]
+
+
+# mismatch_program's calls that differ in one thing the call tag holds, made at one site of the
+# program (the same line, the same frames), so that nothing else tells them apart.
+MISMATCHES_AT_ONE_SITE = ("all_reduce_dtype", "residual_rmsnorm_dtype", "dcp_a2a_lse_base")
+
+
+def _one_site_mismatch(op: str, n: int, odd_one, rng: np.random.Generator):
+  """mismatch_program for MISMATCHES_AT_ONE_SITE: the odd one out calls
+  with float32 (lse in base 2) where the others call with bfloat16 of the
+  same bytes (base e); outputs float32, the shorter padded with NaN."""
+  import functools
+
+  import jax.numpy as jnp
+
+  import b12x_jax
+
+  def pad(v, n):
+    v = v.astype(jnp.float32)
+    return jnp.concatenate([v, jnp.full((*v.shape[:-1], n - v.shape[-1]), jnp.nan, v.dtype)], axis=-1)
+
+  if op == "all_reduce_dtype":  # float32[16] against bfloat16[32]: 64 bytes, one grid
+    def reduce_as(dtype, x):
+      v = x[:16] if dtype == jnp.float32 else x.astype(jnp.bfloat16)
+      return pad(b12x_jax.all_reduce(v, "x"), 32)
+    inputs = [rng.standard_normal(32).astype(np.float32)]
+  elif op == "residual_rmsnorm_dtype":  # rows of 1024 float32 against 2048 bfloat16: 4096 bytes each
+    def reduce_as(dtype, x, residual, weight):
+      hidden = 1024 if dtype == jnp.float32 else 2048
+      normed, _ = b12x_jax.all_reduce_residual_rmsnorm(*(a[..., :hidden].astype(dtype) for a in (x, residual, weight)),
+                                                      "x")
+      return pad(normed, 2048)
+    inputs = [rng.standard_normal((1, 2048)).astype(np.float32) for _ in range(2)] + [
+        rng.standard_normal(2048).astype(np.float32)]
+  else:  # dcp_a2a of one shape, lse in base 2 against base e
+    def reduce_as(dtype, out, lse):
+      return b12x_jax.dcp_a2a(out, lse, "x", lse_base="2" if dtype == jnp.float32 else "e").astype(jnp.float32)
+    inputs = [rng.standard_normal((1, 16 * n, 256)).astype(jnp.bfloat16),
+              rng.standard_normal((1, 16 * n)).astype(np.float32)]
+
+  def body(*args):
+    return jax.lax.cond(odd_one(), functools.partial(reduce_as, jnp.float32), functools.partial(reduce_as, jnp.bfloat16),
+                        *args)
+  return body, inputs
 
 
 def run_to_its_error(run, channel: str) -> dict:
@@ -160,11 +213,15 @@ def run_to_its_error(run, channel: str) -> dict:
   return {"messages": messages, "finite": finite, "seconds": time.monotonic() - start}
 
 
-def tag_error(rank: int, expected: str, peer: str | int, seen: str) -> str:
-  """The regex of the call-tag error (docs/DESIGN.md) channel 'mismatch'
-  reports at epoch 1: ``rank`` expected the call ``expected`` (a regex)
-  but ``peer`` (a rank, or a regex of one) was at ``seen``."""
-  return (f"channel 'mismatch' rank {rank} expected {expected} at epoch 1 but rank {peer} was at {seen}: "
+# A call's site in the call-tag error, and its name where this process traced it.
+SITE = r" at site 0x[0-9a-f]{8}(?: \([^()]*\))?"
+
+
+def tag_error(rank: int, expected: str, peer: str | int, seen: str, channel: str = "mismatch") -> str:
+  """The regex of the call-tag error (docs/DESIGN.md) ``channel`` reports
+  at epoch 1: ``rank`` expected the call ``expected`` (a regex, its site
+  left out) but ``peer`` (a rank, or a regex of one) was at ``seen``."""
+  return (f"channel '{channel}' rank {rank} expected {expected}{SITE} at epoch 1 but rank {peer} was at {seen}{SITE}: "
           "the ranks run different calls on one channel")
 
 

@@ -1023,7 +1023,9 @@ def main() -> None:
   parser.add_argument("--communicator", default="{}")  # every process's Communicator arguments (JSON)
   parser.add_argument("--communicators", default="[]")  # settings mode: one process's each, over --communicator
   parser.add_argument("--configs", default="[{}]")  # all_reduce mode: Communicators run in turn
-  parser.add_argument("--op", default="all_reduce", choices=["all_reduce", "dcp_a2a", "residual_rmsnorm"])  # never_calls, mismatch
+  parser.add_argument("--op", default="all_reduce", choices=["all_reduce", "dcp_a2a", "residual_rmsnorm",  # never_calls
+                                                             "all_reduce_site", "all_reduce_dtype",  # and mismatch
+                                                             "residual_rmsnorm_dtype", "dcp_a2a_lse_base"])
   parser.add_argument("--wrap", action="store_true")  # residual_rmsnorm, dcp modes: start the counters 5 calls before the wrap
   args = parser.parse_args()
   sys.path.insert(0, os.path.dirname(__file__))

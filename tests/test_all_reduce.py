@@ -76,8 +76,8 @@ def test_ranks_at_different_calls_on_one_channel_raise_a_clear_error(lamport_byt
   assert result["finite"] is None, result  # on CPU the call itself raises
   assert result["seconds"] < 5, result  # found at the first look, not by a timeout
   how = "lamport" if lamport_bytes else algorithm  # rank 0 at an all_reduce of 64 floats, rank 1 at one of 128
-  assert_names_both_calls(result["messages"], {0: f"all_reduce of 256 bytes \\({how}, grid 1\\)",
-                                               1: f"all_reduce of 512 bytes \\({how}, grid 1\\)"})
+  assert_names_both_calls(result["messages"], {0: f"all_reduce of 256 bytes \\(float32, {how}, grid 1\\)",
+                                               1: f"all_reduce of 512 bytes \\(float32, {how}, grid 1\\)"})
 
 
 @pytest.mark.parametrize("lamport_bytes", [1 << 20, 0], ids=["lamport", "barrier"])

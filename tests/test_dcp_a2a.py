@@ -288,5 +288,6 @@ def test_ranks_at_merges_of_other_heads_raise_a_clear_error(lamport_bytes, how):
   result = run_worker("mismatch", "--platform", "cpu", "--timeout", "5.0", "--op", "dcp_a2a",
                       "--lamport-bytes", str(lamport_bytes), hard_timeout=120)
   assert result["finite"] is None and result["seconds"] < 5, result  # on CPU the call itself raises, at once
-  assert_names_both_calls(result["messages"], {0: f"dcp_a2a of 16384 bytes \\(32 heads of 512 bytes, {how}grid 1\\)",
-                                               1: f"dcp_a2a of 16384 bytes \\(16 heads of 512 bytes, {how}grid 1\\)"})
+  assert_names_both_calls(result["messages"], {
+      0: f"dcp_a2a of 16384 bytes \\(bfloat16, 32 heads of 512 bytes, lse base e, {how}grid 1\\)",
+      1: f"dcp_a2a of 16384 bytes \\(bfloat16, 16 heads of 512 bytes, lse base e, {how}grid 1\\)"})

@@ -14,8 +14,8 @@ import shutil
 import pytest
 
 from mp_workers import FUSED_CASES
-from test_multiprocess import (ALL_REDUCE_CONFIGS, check_all_reduce_configs, check_dcp, check_drop_in, check_loops,
-                               check_mismatch, check_never_calls, dcp_options)
+from test_multiprocess import (ALL_REDUCE_CONFIGS, MISMATCHED_CALLS, check_all_reduce_configs, check_dcp,
+                               check_drop_in, check_loops, check_mismatch, check_never_calls, dcp_options)
 
 pytestmark = pytest.mark.gpu_rig
 WORLDS = [2, 4, 8]
@@ -139,7 +139,7 @@ def test_a_rank_that_never_calls_the_triton_kernel_gives_the_others_the_timeout_
   assert all(r["kernels"] == ["triton"] for r in results), results
 
 
-@pytest.mark.parametrize("op", ["all_reduce", "dcp_a2a", "residual_rmsnorm"])
+@pytest.mark.parametrize("op", sorted(MISMATCHED_CALLS))
 @pytest.mark.parametrize("kernels", ["ffi", "triton"])
 @pytest.mark.parametrize("n", [2, 4])
 def test_processes_at_different_calls_stop_with_the_tag_error_and_nan(gpu_rig, n, kernels, op):

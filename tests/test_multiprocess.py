@@ -237,32 +237,43 @@ def check_never_calls(results: list[dict], timeout: str, platform: str) -> None:
   assert any(f"waiting for rank {victim}" in r["messages"][0] for r in callers), callers
 
 
+# What the mismatch mode's calls are (helpers.mismatch_program), by --op: call(variant) is the regex of
+# a call in the tag error, and (ours, odd) the variants of the others' call and of the odd one out's.
+_DCP_CALL = r"dcp_a2a of {bytes} bytes \(bfloat16, {heads} heads of 512 bytes, lse base {base}, lamport, grid \d+\)"
+_FUSED_CALL = r"all_reduce_residual_rmsnorm of {bytes} bytes \({dtype}, rows of {bytes} bytes, grid \d+\)"
+_SUM_CALL = r"all_reduce of {bytes} bytes \({dtype}, lamport, grid \d+\)"
+MISMATCHED_CALLS = {
+    "dcp_a2a": lambda n: [_DCP_CALL.format(bytes=8192 * n, heads=heads, base="e") for heads in (16 * n, 8 * n)],
+    "residual_rmsnorm": lambda n: [_FUSED_CALL.format(bytes=b, dtype="float32") for b in (32768, 16384)],
+    "all_reduce": lambda n: [_SUM_CALL.format(bytes=b, dtype="float32") for b in (256, 512)],
+    "all_reduce_site": lambda n: [_SUM_CALL.format(bytes=256, dtype="float32")] * 2,
+    "all_reduce_dtype": lambda n: [_SUM_CALL.format(bytes=64, dtype=t) for t in ("bfloat16", "float32")],
+    "residual_rmsnorm_dtype": lambda n: [_FUSED_CALL.format(bytes=4096, dtype=t) for t in ("bfloat16", "float32")],
+    "dcp_a2a_lse_base": lambda n: [_DCP_CALL.format(bytes=8192 * n, heads=16 * n, base=b) for b in ("e", "2")],
+}
+
+
 def check_mismatch(results: list[dict], op: str) -> None:
   """mismatch mode: every process stopped with an error and no number, in a
   bounded time, naming a peer at the other call and both calls: those at
   the others' call the odd one out (the last), the odd one a peer (rank 0
   of two). A rank that waits for packs its peer never sends reports the
-  mismatch too, not a timeout."""
+  mismatch too, not a timeout. Calls that differ in their site only name
+  two sites."""
   n = len(results)
-  if op == "dcp_a2a":
-    call = lambda heads: rf"dcp_a2a of {8192 * n} bytes \({heads} heads of 512 bytes, lamport, grid \d+\)"  # noqa: E731
-    ours, odd = call(16 * n), call(8 * n)
-  elif op == "residual_rmsnorm":
-    call = lambda nbytes: rf"all_reduce_residual_rmsnorm of {nbytes} bytes \(lamport, grid \d+\)"  # noqa: E731
-    ours, odd = call(32768), call(16384)
-  else:
-    call = lambda nbytes: rf"all_reduce of {nbytes} bytes \(lamport, grid \d+\)"  # noqa: E731
-    ours, odd = call(256), call(512)
+  ours, odd = MISMATCHED_CALLS[op](n)
   for rank, r in enumerate(results):
     assert r["messages"] and not r["finite"] and r["seconds"] < 30, r
     if rank < n - 1:
       wanted = tag_error(rank, ours, n - 1, odd)
     else:
       wanted = tag_error(rank, odd, 0 if n == 2 else r"\d+", ours)
-    assert any(re.search(wanted, m) for m in r["messages"]), "\n".join([wanted, *r["messages"]])
+    found = [m for m in r["messages"] if re.search(wanted, m)]
+    assert found, "\n".join([wanted, *r["messages"]])
+    assert len(set(re.findall(r"at site (0x[0-9a-f]{8})", found[0]))) == 2 or op != "all_reduce_site", found[0]
 
 
-@pytest.mark.parametrize("op", ["all_reduce", "dcp_a2a", "residual_rmsnorm"])
+@pytest.mark.parametrize("op", sorted(MISMATCHED_CALLS))
 def test_processes_at_different_calls_on_one_channel_stop_with_the_tag_error(multiprocess, op):
   check_mismatch(multiprocess("mismatch", 2, "--timeout", "5", "--op", op), op)
 

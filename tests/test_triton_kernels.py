@@ -157,14 +157,16 @@ def test_each_device_gets_its_own_addresses_and_the_generation_of_its_preparatio
   x = put_sharded(mesh, random_shards(np.random.default_rng(8), 2, 256, np.float32))
   with fresh_communicator() as comm:
     comm.prepare(mesh, "x", channels=["views"])
-    views = [_native.kernel_view("cpu", "views", "0,1", d.id, 1024) for d in mesh.devices.flat]
+    views = [_native.kernel_view("cpu", "views", "0,1", d.id, 1024, dtype="bfloat16", site=5)
+             for d in mesh.devices.flat]
     assert [v["rank"] for v in views] == [0, 1] and views[0]["lamport"] == views[1]["lamport"]
     assert views[0]["signals"][0] != views[0]["signals"][1] and views[0]["generation"] > 0
     assert (views[0]["algorithm"], views[0]["grid"], views[0]["packs"]) == (3, 1, 64)  # plan_for: Lamport
+    assert views[0]["tag"] == (1 | 1 << 8 | 1 << 16, 3, 64, 5)  # all_reduce of bfloat16 (1), grid 1; lamport
     comm.release("views")
     with b12x_jax.channel("views"):
       _sum_fn(mesh)(x).block_until_ready()  # prepares it again: the same memory, a new generation
-    again = _native.kernel_view("cpu", "views", "0,1", 0, 1024)
+    again = _native.kernel_view("cpu", "views", "0,1", 0, 1024, dtype="bfloat16", site=5)
     assert again["lamport"] == views[0]["lamport"] and again["generation"] > views[0]["generation"]
 
 
@@ -177,7 +179,7 @@ _ERROR_WORDS = ("state", "kind", "rank", "peer", "epoch", "peer_gave_up", "first
 def _plan(max_blocks: int = 64, cell_words: int = 4096):
   from b12x_jax.ops import _triton_lamport as triton
   view = {"world": 2, "loopback": False, "grid": 1, "per_block": 1, "cell_bytes": 4 * cell_words,
-          "cells_bytes": 0, "max_blocks": max_blocks, "tag_op": 1, "algorithm": 3,
+          "cells_bytes": 0, "max_blocks": max_blocks, "tag": (1 | 1 << 16, 3, 1, 0), "algorithm": 3,
           "packs": 1, "timeout_ns": 10**9, "first_timeout_ns": 10**9, "poison_grace_ns": 10**6,
           "signal_offsets": {name: 4096 * k for k, name in enumerate(_SIGNAL_WORDS)},
           "error_offsets": {name: 64 * k for k, name in enumerate(_ERROR_WORDS)}, "empty_word": 0xFFFFFFFF,
@@ -193,9 +195,11 @@ def _plan(max_blocks: int = 64, cell_words: int = 4096):
                                                     (1, 4, 1)])
 def test_the_fused_kernel_runs_a_row_over_programs_of_a_block_each(rows, row_words, split):
   from b12x_jax.ops import _triton_lamport as triton
-  plan = triton.rows_plan(_plan(cell_words=8192), rows, 4 * row_words, 2)
+  plan = triton.rows_plan(_plan(cell_words=8192), rows, 4 * row_words, "float32", 77)
   assert plan.split == split and plan.grid == rows * split and plan.block_words == row_words // split
-  assert plan.tag == (2, 3, rows * row_words // 4, rows * split)  # the fused op's tag, its grid
+  # The fused op's tag (ffi/channel.h make_tag): op 2, float32 (0), its grid; lamport and the row's packs;
+  # the packs; the site.
+  assert plan.tag == (2 | rows * split << 16, 3 | row_words // 4 << 2, rows * row_words // 4, 77)
 
 
 @pytest.mark.parametrize("rows, row_words, why", [
@@ -205,7 +209,7 @@ def test_the_fused_kernel_runs_a_row_over_programs_of_a_block_each(rows, row_wor
     (1, 16384, "a row of 65536 bytes is not a power of two of 32-bit words, or above 8192")])
 def test_the_fused_kernel_says_which_rows_it_cannot_take(rows, row_words, why):
   from b12x_jax.ops import _triton_lamport as triton
-  problem = triton.rows_plan(_plan(), rows, 4 * row_words, 2)
+  problem = triton.rows_plan(_plan(), rows, 4 * row_words, "float32", 0)
   assert isinstance(problem, str) and why in problem, problem
 
 
@@ -334,7 +338,7 @@ def test_a_row_over_several_programs_lowers_with_their_meeting(monkeypatch):
   # 64-block plan, lowered on its own. Each of the 4 programs of the row publishes its share
   # and adds to the row's meeting word (release), waits for the others' (acquire), reads the shares.
   from b12x_jax.ops import _triton_lamport as triton
-  plan = triton.rows_plan(_plan(cell_words=8192), 2, 4 * 4096, 2)
+  plan = triton.rows_plan(_plan(cell_words=8192), 2, 4 * 4096, "bfloat16", 0)
   assert plan.split == 4 and plan.grid == 8
   kernels = _record_inline_asm(monkeypatch)
   fn = jax.jit(lambda x, r, w, row: triton.residual_rmsnorm(x, r, w, row, plan, eps=1e-6, channel="split",
@@ -361,13 +365,16 @@ def test_a_row_over_several_programs_lowers_with_their_meeting(monkeypatch):
 ])
 def test_the_dcp_lamport_plan(shape, blocks, cell, plan):
   batch, heads, row_bytes, world = shape
-  grid, per_block, tag = _native.dcp_lamport_plan(cell, blocks, batch, heads, world, row_bytes)
+  grid, per_block, tag = _native.dcp_lamport_plan(cell, blocks, batch, heads, world, row_bytes, dtype="float16",
+                                                  site=9, base2=True)
   assert (grid, per_block) == plan
-  if grid:  # dcp_a2a; lamport, H and D's packs; the input's packs; the grid
-    assert tag == (3, 3 | heads << 2 | row_bytes // 16 << 17, batch * heads * row_bytes // 16, grid)
+  if grid:  # dcp_a2a, float16 (2), the grid, base 2; lamport, H and D's packs; the input's packs; the site
+    assert tag == (3 | 2 << 8 | grid << 16 | 1 << 24, 3 | heads << 2 | row_bytes // 16 << 17,
+                   batch * heads * row_bytes // 16, 9)
 
 
 def test_dcp_calls_of_one_size_and_grid_but_other_rows_have_other_tags():
   # [1, 32, 512 B] and [2, 16, 512 B] over 2 ranks: 8-row blocks, 2 of them, 1024 packs each.
-  one, two = (_native.dcp_lamport_plan(16384, 64, batch, heads, 2, 512) for batch, heads in ((1, 32), (2, 16)))
+  one, two = (_native.dcp_lamport_plan(16384, 64, batch, heads, 2, 512, dtype="bfloat16", site=0, base2=False)
+              for batch, heads in ((1, 32), (2, 16)))
   assert one[:2] == two[:2] == (2, 8) and one[2][2] == two[2][2] and one[2] != two[2]

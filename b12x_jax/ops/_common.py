@@ -4,6 +4,9 @@ registration of a b12x primitive (its channel's order token included)."""
 from __future__ import annotations
 
 import functools
+import os
+import sys
+import zlib
 from collections.abc import Callable
 
 import jax
@@ -28,6 +31,38 @@ def axis_size(axis_name: str, op: str) -> int:
     raise ValueError(
         f"b12x_jax.{op}: unknown axis_name {axis_name!r}: call it inside jax.shard_map over a mesh with "
         f"that axis ({e})") from None
+
+
+# Code whose frames are no call site of the user's: this package, JAX's.
+_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+                 os.path.dirname(os.path.abspath(jax.__file__)) + os.sep)
+
+
+def _in_library(frame) -> bool:
+  return os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY_DIRS)
+
+
+def call_site(op: str) -> int:
+  """The site of the call of ``op`` being traced (ffi/channel.h CallTag):
+  a 31-bit hash of the user's frames from the call out to the innermost JAX
+  transformation tracing it (file name, line, function), so calls at
+  different places of a program, or of different programs, differ, and
+  every process that traces the same code computes the same. Frames above
+  that transformation (who traced the function, from where) do not count:
+  processes may trace one program from different places. Named in this
+  process's error messages."""
+  frame = sys._getframe(1)
+  while frame is not None and _in_library(frame):
+    frame = frame.f_back
+  frames = []
+  while frame is not None and not _in_library(frame):
+    code = frame.f_code
+    frames.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_qualname}")
+    frame = frame.f_back
+  name = f"{op} at {' < '.join(frames) or 'a call from JAX'}"
+  site = zlib.crc32(name.encode()) & 0x7FFFFFFF
+  _native.name_site(site, name)
+  return site
 
 
 # Largest grid of a channel (ffi/channel.h kMaxBlocks).
@@ -73,6 +108,7 @@ def register_batcher(primitive: Primitive, op: str, rule: Callable) -> None:
     if all(d is None for d in dims):
       outs = primitive.bind(*args, axis_name=axis_name, **params)
       return outs, [None] * len(outs) if primitive.multiple_results else None
+    del params["site"]  # the batched call is a call of its own
     return rule(args, dims, axis_name=axis_name, **params)
 
   batching.fancy_primitive_batchers[primitive] = fancy_rule
@@ -99,7 +135,7 @@ def _lowering(op: str, target: str, fallback: Callable, fallback_path: str) -> C
   fallback_rule = mlir.lower_fun(fallback, multiple_results=True)
   token = _compat.abstract_token()
 
-  def rule(ctx, *args, axis_name: str, channel: str, platform: str, kernel: str = "ffi", **params):
+  def rule(ctx, *args, axis_name: str, channel: str, platform: str, site: int, kernel: str = "ffi", **params):
     groups = _compat.axis_device_groups(ctx, axis_name)
     _native.ensure_registered()
     comm = get_communicator()
@@ -109,7 +145,7 @@ def _lowering(op: str, target: str, fallback: Callable, fallback_path: str) -> C
     token_in = ctx.tokens_in.get(effect)
     triton = None
     if kernel == "triton":
-      triton = triton_lowering(ctx, op, channel, groups, platform, params)
+      triton = triton_lowering(ctx, op, channel, groups, platform, site, params)
     if platform == "cuda":
       # XLA:GPU's dynamic-slice fusion folds a slice operand or a
       # dynamic-update-slice result into the custom call, and then fails on
@@ -124,7 +160,7 @@ def _lowering(op: str, target: str, fallback: Callable, fallback_path: str) -> C
     else:
       token_ctx = ctx.replace(avals_in=(token, *ctx.avals_in), avals_out=(token, *ctx.avals_out))
       token_out, *results = ffi_rule(token_ctx, token_in, *args, channel_id=channel, group=partition_key(groups),
-                                     **params)
+                                     site=np.int32(site), **params)
     if platform == "cuda":
       token_out, *results = _compat.optimization_barrier([token_out, *results])
     ctx.set_tokens_out(mlir.TokenSet({effect: token_out}))
@@ -133,7 +169,8 @@ def _lowering(op: str, target: str, fallback: Callable, fallback_path: str) -> C
   return rule
 
 
-def triton_lowering(ctx, op: str, channel: str, groups, platform: str, params: dict) -> Callable | None:
+def triton_lowering(ctx, op: str, channel: str, groups, platform: str, site: int,
+                    params: dict) -> Callable | None:
   """The Triton kernel's lowering of a call bound with kernel "triton"
   (docs/DESIGN.md, "Triton kernels"), or None where it cannot run here: the
   FFI kernel of the same protocol takes the call, and the decision says why
@@ -172,8 +209,8 @@ def triton_lowering(ctx, op: str, channel: str, groups, platform: str, params: d
       if device.process_index != jax.process_index():
         continue
       view = _native.kernel_view(_compat.platform_of(group), channel, partition, _compat.device_ordinal(device),
-                                 nbytes)
-      planned = triton.call_for(op, view, ctx.avals_in, params, channel=channel, poison=poison)
+                                 nbytes, dtype=aval.dtype.name, site=site)
+      planned = triton.call_for(op, view, ctx.avals_in, params, channel=channel, site=site, poison=poison)
       if isinstance(planned, str):
         return comm.kernel_fallback(op, channel, planned)
       kernels.setdefault(planned.plan, planned.kernel)
@@ -201,8 +238,8 @@ def differentiate_by_fallback(primitive: Primitive, fallback: Callable) -> None:
   from ``fallback``'s formula (jax collectives, which JAX knows how to
   linearize and transpose), so grad and jvp see the same math as the
   fallback path."""
-  def jvp(primals, tangents, *, channel: str, **params):
-    outs = primitive.bind(*primals, channel=channel, **params)
+  def jvp(primals, tangents, *, channel: str, site: int, **params):
+    outs = primitive.bind(*primals, channel=channel, site=site, **params)
     tangents = [ad.instantiate_zeros(t) for t in tangents]
     _, tangent_outs = jax.jvp(lambda *args: fallback(*args, **params), tuple(primals), tuple(tangents))
     return outs, tangent_outs
@@ -221,15 +258,16 @@ def collective_primitive(name: str, op: str, abstract_eval: Callable, fallback: 
   primitive = Primitive(name)
   primitive.multiple_results = multiple_results
 
-  def effectful_abstract_eval(*avals, channel: str, **params):
+  def effectful_abstract_eval(*avals, channel: str, site: int, **params):
+    del site
     return abstract_eval(*avals, channel=channel, **params), {channel_order(channel, params["axis_name"])}
 
-  def eager(*args, axis_name: str, channel: str, **params):
+  def eager(*args, axis_name: str, channel: str, site: int, **params):
     raise ValueError(f"b12x_jax.{op} runs inside jax.shard_map under jax.jit, not eagerly "
                      f"(axis {axis_name!r}, channel {channel!r})")
 
-  def fallback_anywhere(*args, channel: str, **params):
-    del channel
+  def fallback_anywhere(*args, channel: str, site: int, **params):
+    del channel, site
     return fallback(*args, **params)
 
   primitive.def_effectful_abstract_eval(effectful_abstract_eval)

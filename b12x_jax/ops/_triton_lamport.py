@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from b12x_jax import _compat
+from b12x_jax import _compat, _native
 
 # Every word is an int32 in the kernel (Pallas Triton mixes signed and
 # unsigned 32-bit tensor types in comparisons): the bits are what counts.
@@ -160,9 +160,9 @@ def rows_problem(rows: int, row_bytes: int, cell_bytes: int, max_blocks: int) ->
   return None
 
 
-def rows_plan(plan: Plan, rows: int, row_bytes: int, tag_op: int) -> Plan | str:
-  """The fused op's kernel (op ``tag_op`` in its tag) for ``rows`` rows of
-  ``row_bytes`` on the channel ``plan`` (an all_reduce plan) describes, or
+def rows_plan(plan: Plan, rows: int, row_bytes: int, dtype: str, site: int) -> Plan | str:
+  """The fused op's kernel for ``rows`` rows of ``row_bytes`` of ``dtype``
+  at ``site`` on the channel ``plan`` (an all_reduce plan) describes, or
   rows_problem's reason."""
   problem = rows_problem(rows, row_bytes, plan.cell_bytes, plan.max_blocks)
   if problem is not None:
@@ -170,7 +170,7 @@ def rows_plan(plan: Plan, rows: int, row_bytes: int, tag_op: int) -> Plan | str:
   row_words = row_bytes // 4
   split = row_split(rows, row_words, plan.max_blocks)
   return dataclasses.replace(plan, grid=rows * split, block_words=row_words // split, split=split,
-                             tag=(tag_op, _ALGORITHM_LAMPORT, rows * row_words // 4, rows * split))
+                             tag=_native.rows_tag(rows, row_bytes, rows * split, dtype=dtype, site=site))
 
 
 def row_split(rows: int, row_words: int, max_blocks: int) -> int:
@@ -229,18 +229,18 @@ class Call(NamedTuple):
   kernel: Callable
 
 
-def call_for(op: str, view: dict, avals, params: dict, *, channel: str, poison: bool) -> Call | str:
-  """The Triton kernel of a call of ``op`` on ``avals`` (with the
-  primitive's ``params``) on the channel ``view`` describes, or why it
+def call_for(op: str, view: dict, avals, params: dict, *, channel: str, site: int, poison: bool) -> Call | str:
+  """The Triton kernel of a call of ``op`` at ``site`` on ``avals`` (with
+  the primitive's ``params``) on the channel ``view`` describes, or why it
   cannot run the call."""
   plan = make_plan(view)
   if op == "dcp_a2a":
     out, _ = avals
     batch, heads, dim = out.shape
     row_bytes = dim * out.dtype.itemsize
-    from b12x_jax import _native
     grid, per_block, tag = _native.dcp_lamport_plan(plan.cell_bytes, plan.max_blocks, batch, heads, plan.world,
-                                                    row_bytes)
+                                                    row_bytes, dtype=out.dtype.name, site=site,
+                                                    base2=bool(params["base2"]))
     problem = dcp_problem(out.dtype, heads, plan.world, row_bytes, grid, per_block)
     if problem is not None:
       return problem
@@ -256,8 +256,7 @@ def call_for(op: str, view: dict, avals, params: dict, *, channel: str, poison: 
     return Call((plan,), lambda row, x: [all_reduce(x, row, plan, channel=channel, poison=poison)])
   x = avals[0]
   hidden = x.shape[-1]
-  fused_plan = rows_plan(plan, int(np.prod(x.shape)) // hidden, hidden * x.dtype.itemsize,
-                         view["tag_op_residual_rmsnorm"])
+  fused_plan = rows_plan(plan, int(np.prod(x.shape)) // hidden, hidden * x.dtype.itemsize, x.dtype.name, site)
   if isinstance(fused_plan, str):
     return fused_plan
   eps = float(params["eps"])
@@ -279,7 +278,7 @@ def make_plan(view: dict) -> Plan:
   return Plan(world=view["world"], loopback=bool(view["loopback"]), grid=view["grid"],
               block_words=view["per_block"] * 4, cell_bytes=view["cell_bytes"], cells_bytes=view["cells_bytes"],
               max_blocks=view["max_blocks"],
-              tag=(view["tag_op"], view["algorithm"], view["packs"], view["grid"]),
+              tag=tuple(view["tag"]),
               grace_units=_units(view["poison_grace_ns"]),
               signal_offsets=tuple(sorted(view["signal_offsets"].items())),
               error_offsets=tuple(sorted(view["error_offsets"].items())),

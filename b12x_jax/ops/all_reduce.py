@@ -11,7 +11,7 @@ from b12x_jax import _compat, tuning
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import PACK_BYTES, get_communicator
 from b12x_jax.ops import _triton_lamport
-from b12x_jax.ops._common import axis_size, collective_primitive, register_batcher, why_not_a_mesh_axis
+from b12x_jax.ops._common import axis_size, call_site, collective_primitive, register_batcher, why_not_a_mesh_axis
 
 _OP = "all_reduce"
 _TARGET = "b12x_all_reduce"
@@ -150,7 +150,7 @@ def _all_reduce_leaf(x: jax.Array, axis_name, axis_index_groups, channel: str | 
   if decision.path == "psum":
     return psum()
   return all_reduce_p.bind(x, axis_name=axis, channel=name, algorithm=np.int32(_ALGORITHM_CODES[algorithm]),
-                           kernel=decision.kernel)
+                           kernel=decision.kernel, site=call_site(_OP))
 
 
 def _why_psum_only(axes: tuple, axis_index_groups) -> tuple[str, str] | None:
@@ -199,11 +199,11 @@ def _psum_path(x, *, axis_name: str, algorithm: int = 0, kernel: str = "ffi"):
 # -- differentiation and batching ---------------------------------------------
 
 
-def _transpose(ct, x, *, axis_name: str, channel: str, algorithm: int, kernel: str):
+def _transpose(ct, x, *, axis_name: str, channel: str, algorithm: int, kernel: str, site: int):
   """psum's rule (jax.lax.psum): where types track varying axes the sum's
   cotangent reaches each rank as is, else it is summed again, on the same
   channel."""
-  del algorithm, kernel
+  del algorithm, kernel, site
   if type(ct) is ad.Zero:
     return (ad.Zero(x.aval),)
   if axis_name in _compat.varying_axes(x.aval):

@@ -11,7 +11,7 @@ from b12x_jax import _compat, _native
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import PACK_BYTES, get_communicator
 from b12x_jax.ops import _triton_lamport
-from b12x_jax.ops._common import (MAX_BLOCKS, axis_size, batch_size, channel_blocks, collective_primitive,
+from b12x_jax.ops._common import (MAX_BLOCKS, axis_size, batch_size, call_site, channel_blocks, collective_primitive,
                                   differentiate_by_fallback, register_batcher, why_not_a_mesh_axis)
 
 _OP = "dcp_a2a"
@@ -125,7 +125,9 @@ def dcp_a2a(out, lse, axis_name: str, *, return_lse: bool = False, lse_base: str
   else:
     blocks = channel_blocks(comm.max_blocks)
     cell = _native.lamport_cell_bytes(comm.native_options(), blocks)
-    grid, per_block, _ = _native.dcp_lamport_plan(cell, blocks, batch, heads, size, row_bytes)
+    site = call_site(_OP)
+    grid, per_block, _ = _native.dcp_lamport_plan(cell, blocks, batch, heads, size, row_bytes,
+                                                  dtype=out.dtype.name, site=site, base2=base2)
     lamport = grid > 0  # (0 also for rows not of whole packs, or more ranks than a channel has)
     # In the Lamport window nothing is staged in the barrier protocol's cells.
     # Counted for the largest grid, so the decision is the same on every machine.
@@ -139,7 +141,7 @@ def dcp_a2a(out, lse, axis_name: str, *, return_lse: bool = False, lse_base: str
                                 fallback=_FALLBACK, detail=protocol, kernel=kernel)
     if decision.path == "b12x":
       results = dcp_a2a_p.bind(out, lse, axis_name=axis_name, channel=name, base2=base2, return_lse=return_lse,
-                               kernel=decision.kernel)
+                               kernel=decision.kernel, site=site)
     else:
       results = _all_to_all_path(out, lse, axis_name=axis_name, base2=base2, return_lse=return_lse)
   return tuple(results) if return_lse else results[0]

@@ -12,7 +12,7 @@ from b12x_jax import _compat, _native
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import PACK_BYTES, Decision, get_communicator
 from b12x_jax.ops import _triton_lamport
-from b12x_jax.ops._common import (axis_size, batch_size, channel_blocks, collective_primitive,
+from b12x_jax.ops._common import (axis_size, batch_size, call_site, channel_blocks, collective_primitive,
                                   differentiate_by_fallback, register_batcher, why_not_a_mesh_axis)
 from b12x_jax.ops.all_reduce import all_reduce
 
@@ -114,7 +114,7 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
     if decision.path == "b12x":
       normed, new_residual = residual_rmsnorm_p.bind(x, residual, weight, axis_name=axis_name, channel=name,
                                                      eps=np.float32(eps),  # the handler's f32 attribute
-                                                     kernel=decision.kernel)
+                                                     kernel=decision.kernel, site=call_site(_OP))
       return normed, new_residual
   elif exchanges:
     comm.record(Decision(_OP, name, "unfused", why_not))

@@ -27,8 +27,8 @@ namespace {
 template <DType D>
 class BarrierAllReduce final : public BarrierCall {
  public:
-  BarrierAllReduce(RankHandle handle, ffi::Promise promise, const Plan& plan, const Pack* in, Pack* out)
-      : BarrierCall(handle, std::move(promise), plan.tag(), plan.algorithm == Algorithm::kTwoShot ? 2 : 1),
+  BarrierAllReduce(RankHandle handle, ffi::Promise promise, const Plan& plan, uint32_t site, const Pack* in, Pack* out)
+      : BarrierCall(handle, std::move(promise), plan.tag(D, site), plan.algorithm == Algorithm::kTwoShot ? 2 : 1),
         plan_(plan), in_(in), out_(out) {}
 
  private:
@@ -61,8 +61,8 @@ class BarrierAllReduce final : public BarrierCall {
 template <DType D>
 class LamportAllReduce final : public LamportSumCall {
  public:
-  LamportAllReduce(RankHandle handle, ffi::Promise promise, const Plan& plan, const Pack* in, Pack* out)
-      : LamportSumCall(handle, std::move(promise), plan.tag(), in, plan.packs), out_(out) {}
+  LamportAllReduce(RankHandle handle, ffi::Promise promise, const Plan& plan, uint32_t site, const Pack* in, Pack* out)
+      : LamportSumCall(handle, std::move(promise), plan.tag(D, site), in, plan.packs), out_(out) {}
 
  private:
   void reduce(const ChannelView& v, size_t i, const Pack* staged) override {
@@ -77,9 +77,10 @@ class LamportAllReduce final : public LamportSumCall {
 template <DType D>
 class ResidualRmsnormCall final : public LamportSumCall {
  public:
-  ResidualRmsnormCall(RankHandle handle, ffi::Promise promise, const RowsShape& s, const RowsPlan& plan, float eps,
-                      const Pack* in, const Pack* residual, const Pack* weight, Pack* normed, Pack* residual_out)
-      : LamportSumCall(handle, std::move(promise), plan.tag(s), in, static_cast<size_t>(s.rows) * s.row_packs),
+  ResidualRmsnormCall(RankHandle handle, ffi::Promise promise, const RowsShape& s, const RowsPlan& plan, uint32_t site,
+                      float eps, const Pack* in, const Pack* residual, const Pack* weight, Pack* normed,
+                      Pack* residual_out)
+      : LamportSumCall(handle, std::move(promise), plan.tag(s, D, site), in, static_cast<size_t>(s.rows) * s.row_packs),
         s_(s), eps_(eps), residual_(residual), weight_(weight), normed_(normed), residual_out_(residual_out) {}
 
   void finish(const ChannelView& v) override {
@@ -124,7 +125,7 @@ bool supported(ffi::DataType type) {
 
 ffi::Future AllReduceHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                           ffi::Result<ffi::AnyBuffer> y,
-                          std::string_view channel_id, std::string_view group, int32_t algorithm) {
+                          std::string_view channel_id, std::string_view group, int32_t site, int32_t algorithm) {
   ffi::Promise promise;
   ffi::Future future(promise);
   const RankLease handle = Registry::get().lease(Platform::kHost, channel_id, group, ordinal);
@@ -146,8 +147,8 @@ ffi::Future AllReduceHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::Re
     if (handle.group->options().poison_outputs) std::memset(out, 0xFF, bytes);  // NaN everywhere
     const Plan plan = plan_for(bytes, v.world, static_cast<Algorithm>(algorithm), v);
     submit_host_call(plan.algorithm == Algorithm::kLamport
-                         ? make_call<LamportAllReduce>(x.element_type(), handle, promise, plan, in, out)
-                         : make_call<BarrierAllReduce>(x.element_type(), handle, promise, plan, in, out));
+                         ? make_call<LamportAllReduce>(x.element_type(), handle, promise, plan, site, in, out)
+                         : make_call<BarrierAllReduce>(x.element_type(), handle, promise, plan, site, in, out));
   }
   return future;
 }
@@ -155,7 +156,7 @@ ffi::Future AllReduceHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::Re
 ffi::Future ResidualRmsnormHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
                                 ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> normed,
                                 ffi::Result<ffi::AnyBuffer> residual_out,
-                                std::string_view channel_id, std::string_view group, float eps) {
+                                std::string_view channel_id, std::string_view group, int32_t site, float eps) {
   ffi::Promise promise;
   ffi::Future future(promise);
   const RankLease handle = Registry::get().lease(Platform::kHost, channel_id, group, ordinal);
@@ -181,8 +182,8 @@ ffi::Future ResidualRmsnormHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, f
       std::memset(out, 0xFF, bytes);
       std::memset(res_out, 0xFF, bytes);
     }
-    submit_host_call(make_call<ResidualRmsnormCall>(x.element_type(), handle, promise, s, plan, eps, in, res, w, out,
-                                                    res_out));
+    submit_host_call(make_call<ResidualRmsnormCall>(x.element_type(), handle, promise, s, plan, site, eps, in, res, w,
+                                                    out, res_out));
   }
   return future;
 }

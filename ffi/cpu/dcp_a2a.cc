@@ -75,6 +75,7 @@ using Merger = void (*)(const ChannelView&, const DcpShape&, const char* const*,
 struct DcpArgs {
   DcpShape s;
   DcpPlan plan;
+  CallTag tag;
   Merger merge;
   const Pack* in;
   const float* in_lse;
@@ -93,7 +94,7 @@ struct DcpArgs {
 class DcpCall final : public BarrierCall {
  public:
   DcpCall(RankHandle handle, ffi::Promise promise, const DcpArgs& a)
-      : BarrierCall(handle, std::move(promise), a.plan.tag(a.s), 1), a_(a) {}
+      : BarrierCall(handle, std::move(promise), a.tag, 1), a_(a) {}
 
  private:
   void stage(const ChannelView& v, uint32_t epoch, int /*phase*/) override {
@@ -112,7 +113,7 @@ class DcpCall final : public BarrierCall {
 class LamportDcpCall final : public LamportHostCall {
  public:
   LamportDcpCall(RankHandle handle, ffi::Promise promise, const DcpArgs& a)
-      : LamportHostCall(handle, std::move(promise), a.plan.tag(a.s), DcpCell{a.s.rows(), a.s.row_packs}.lamport_packs()),
+      : LamportHostCall(handle, std::move(promise), a.tag, DcpCell{a.s.rows(), a.s.row_packs}.lamport_packs()),
         a_(a) {}
 
   // The merge reads this call's buffer, which the advance leaves as it is.
@@ -155,7 +156,7 @@ std::string check_call(const RankHandle& handle, const ffi::AnyBuffer& x, const 
 
 ffi::Future DcpA2aHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::AnyBuffer lse, ffi::Result<ffi::Token>,
                        ffi::Result<ffi::AnyBuffer> y,
-                       ffi::RemainingRets rets, std::string_view channel_id, std::string_view group, bool base2,
+                       ffi::RemainingRets rets, std::string_view channel_id, std::string_view group, int32_t site, bool base2,
                        bool return_lse) {
   ffi::Promise promise;
   ffi::Future future(promise);
@@ -169,12 +170,13 @@ ffi::Future DcpA2aHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::AnyBu
     promise.SetError(ffi::Error::InvalidArgument(problem));
     return future;
   }
-  const Merger merge = x.element_type() == ffi::DataType::BF16 ? merge_rows<DType::kBF16> : merge_rows<DType::kF16>;
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  const Merger merge = bf16 ? merge_rows<DType::kBF16> : merge_rows<DType::kF16>;
   const auto* in = static_cast<const Pack*>(x.untyped_data());
   const auto* in_lse = static_cast<const float*>(lse.untyped_data());
   auto* out = static_cast<Pack*>(y->untyped_data());
   if (handle.group->options().poison_outputs) std::memset(out, 0xFF, y->size_bytes());  // NaN everywhere
-  const DcpArgs args{s, plan, merge, in, in_lse, out, out_lse};
+  const DcpArgs args{s, plan, plan.tag(s, bf16 ? DType::kBF16 : DType::kF16, site), merge, in, in_lse, out, out_lse};
   if (plan.lamport) {
     submit_host_call(std::make_unique<LamportDcpCall>(handle, promise, args));
   } else {

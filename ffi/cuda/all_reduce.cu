@@ -31,13 +31,13 @@ constexpr int kThreads = 512;
 // failed wait nothing staged may be read (C6).
 template <DType D, bool kPull>
 __global__ void __launch_bounds__(kThreads)
-    one_shot_all_reduce(ChannelView v, Plan plan, const Pack* __restrict__ in, Pack* __restrict__ out) {
+    one_shot_all_reduce(ChannelView v, Plan plan, CallTag tag, const Pack* __restrict__ in, Pack* __restrict__ out) {
   const int block = blockIdx.x;
   // A failed channel fails fast (C8), leaving NaN, never a stale result.
   const AllReduceBlock b{v, plan, block, next_epoch<CudaMem>(v, block), in, out};
   if (channel_poisoned<CudaMem>(v)) return fill_nan_outputs(b, BlockThreads{});
   one_shot_stage<kPull>(b, BlockThreads{});
-  if (!block_barrier(v, block, b.epoch, plan.tag())) return fill_nan_outputs(b, BlockThreads{});
+  if (!block_barrier(v, block, b.epoch, tag)) return fill_nan_outputs(b, BlockThreads{});
   one_shot_reduce<CudaMem, D, kPull>(b, BlockThreads{});
 }
 
@@ -45,14 +45,14 @@ __global__ void __launch_bounds__(kThreads)
 // (all_reduce.h: two_shot_*).
 template <DType D>
 __global__ void __launch_bounds__(kThreads)
-    two_shot_all_reduce(ChannelView v, Plan plan, const Pack* __restrict__ in, Pack* __restrict__ out) {
+    two_shot_all_reduce(ChannelView v, Plan plan, CallTag tag, const Pack* __restrict__ in, Pack* __restrict__ out) {
   const int block = blockIdx.x;
   const AllReduceBlock b{v, plan, block, next_epoch<CudaMem>(v, block), in, out};
   if (channel_poisoned<CudaMem>(v)) return fill_nan_outputs(b, BlockThreads{});
   two_shot_scatter(b, BlockThreads{});
-  if (!block_barrier(v, block, b.epoch, plan.tag())) return fill_nan_outputs(b, BlockThreads{});
+  if (!block_barrier(v, block, b.epoch, tag)) return fill_nan_outputs(b, BlockThreads{});
   two_shot_reduce<CudaMem, D>(b, BlockThreads{});
-  if (!block_barrier(v, block, b.epoch + 1u, plan.tag())) return fill_nan_outputs(b, BlockThreads{});
+  if (!block_barrier(v, block, b.epoch + 1u, tag)) return fill_nan_outputs(b, BlockThreads{});
   two_shot_gather<CudaMem>(b, BlockThreads{});
 }
 
@@ -60,35 +60,36 @@ __global__ void __launch_bounds__(kThreads)
 // in the one-shot kernel, and its own cells of the three buffers.
 template <DType D>
 __global__ void __launch_bounds__(kThreads)
-    lamport_all_reduce(ChannelView v, Plan plan, const Pack* __restrict__ in, Pack* __restrict__ out) {
+    lamport_all_reduce(ChannelView v, Plan plan, CallTag tag, const Pack* __restrict__ in, Pack* __restrict__ out) {
   const Slice s = block_slice(blockIdx.x, plan.per_block, plan.packs);
-  const bool done = lamport_exchange<kThreads>(v, plan.tag(), in + s.lo, s.n, [&](size_t i, const Pack* staged) {
+  const bool done = lamport_exchange<kThreads>(v, tag, in + s.lo, s.n, [&](size_t i, const Pack* staged) {
     out[s.lo + i] = sum_in_rank_order<D>(staged, v.world);
   });
   if (!done) fill_nan(out + s.lo, s.n);
 }
 
 template <DType D>
-void launch(const Plan& plan, cudaStream_t stream, const ChannelView& v, const Pack* in, Pack* out) {
+void launch(const Plan& plan, uint32_t site, cudaStream_t stream, const ChannelView& v, const Pack* in, Pack* out) {
+  const CallTag tag = plan.tag(D, site);
   switch (plan.algorithm) {
     case Algorithm::kLamport:
-      lamport_all_reduce<D><<<plan.grid, kThreads, 0, stream>>>(v, plan, in, out);
+      lamport_all_reduce<D><<<plan.grid, kThreads, 0, stream>>>(v, plan, tag, in, out);
       break;
     case Algorithm::kOneShot:
-      one_shot_all_reduce<D, false><<<plan.grid, kThreads, 0, stream>>>(v, plan, in, out);
+      one_shot_all_reduce<D, false><<<plan.grid, kThreads, 0, stream>>>(v, plan, tag, in, out);
       break;
     case Algorithm::kPull:
-      one_shot_all_reduce<D, true><<<plan.grid, kThreads, 0, stream>>>(v, plan, in, out);
+      one_shot_all_reduce<D, true><<<plan.grid, kThreads, 0, stream>>>(v, plan, tag, in, out);
       break;
     case Algorithm::kTwoShot:
-      two_shot_all_reduce<D><<<plan.grid, kThreads, 0, stream>>>(v, plan, in, out);
+      two_shot_all_reduce<D><<<plan.grid, kThreads, 0, stream>>>(v, plan, tag, in, out);
       break;
   }
 }
 
 ffi::Error AllReduceCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::AnyBuffer x,
                          ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y,
-                         std::string_view channel_id, std::string_view group, int32_t algorithm) {
+                         std::string_view channel_id, std::string_view group, int32_t site, int32_t algorithm) {
   const RankLease handle = Registry::get().lease(Platform::kCuda, channel_id, group, ordinal);
   if (!handle) return ffi::Error::InvalidArgument(unprepared_message("all_reduce", channel_id, ordinal));
   // A timeout recorded by an earlier call (also one replayed from a CUDA
@@ -111,13 +112,13 @@ ffi::Error AllReduceCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::
   const auto* in = static_cast<const Pack*>(x.untyped_data());
   switch (x.element_type()) {
     case ffi::DataType::F32:
-      launch<DType::kF32>(plan, stream, v, in, out);
+      launch<DType::kF32>(plan, site, stream, v, in, out);
       break;
     case ffi::DataType::BF16:
-      launch<DType::kBF16>(plan, stream, v, in, out);
+      launch<DType::kBF16>(plan, site, stream, v, in, out);
       break;
     case ffi::DataType::F16:
-      launch<DType::kF16>(plan, stream, v, in, out);
+      launch<DType::kF16>(plan, site, stream, v, in, out);
       break;
     default:
       return ffi::Error::InvalidArgument("b12x_jax.all_reduce: dtype must be float32, bfloat16 or float16");

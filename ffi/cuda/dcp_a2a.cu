@@ -103,7 +103,7 @@ __device__ void merge_block(const ChannelView& v, const DcpShape& s, int lo, int
 // on each other.
 template <DType D>
 __global__ void __launch_bounds__(kThreads)
-    dcp_a2a_kernel(ChannelView v, DcpShape s, DcpPlan plan, const Pack* __restrict__ in,
+    dcp_a2a_kernel(ChannelView v, DcpShape s, DcpPlan plan, CallTag tag, const Pack* __restrict__ in,
                    const float* __restrict__ in_lse, Pack* __restrict__ out, float* __restrict__ out_lse) {
   const int block = blockIdx.x;
   const int row_packs = s.row_packs;
@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   // 2. Meet the peers (C6); on a timeout nothing staged may be read.
-  if (!block_barrier(v, block, epoch, plan.tag(s))) return fill_failed(s, lo, n, out, out_lse);
+  if (!block_barrier(v, block, epoch, tag)) return fill_failed(s, lo, n, out, out_lse);
 
   // 3. Merge, from cells laid out for `per_block` rows (the pushes' `cell`).
   char* cells[kMaxRanks];
@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(kThreads)
 // are until this block's next call.
 template <DType D>
 __global__ void __launch_bounds__(kThreads)
-    dcp_a2a_lamport_kernel(ChannelView v, DcpShape s, DcpPlan plan, const Pack* __restrict__ in,
+    dcp_a2a_lamport_kernel(ChannelView v, DcpShape s, DcpPlan plan, CallTag tag, const Pack* __restrict__ in,
                            const float* __restrict__ in_lse, Pack* __restrict__ out, float* __restrict__ out_lse) {
   const int lo = blockIdx.x * plan.per_block;
   const int n = min(plan.per_block, s.rows() - lo);  // >= 1: the plan's grid covers the rows exactly
@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(kThreads)
   // after the exchange, its own rows from the input; the exchange only waits.
   const auto no_own = [](size_t) { return Pack{}; };
   const auto arrived = [](size_t, const Pack*) {};
-  const int buffer = lamport_exchange_with<kThreads>(v, plan.tag(s), DcpCell{n, s.row_packs}.lamport_packs(), push,
+  const int buffer = lamport_exchange_with<kThreads>(v, tag, DcpCell{n, s.row_packs}.lamport_packs(), push,
                                                      no_own, arrived);
   if (buffer < 0) return fill_failed(s, lo, n, out, out_lse);
   char* cells[kMaxRanks];
@@ -179,7 +179,7 @@ int want_grid(const DcpShape& s) {
 
 ffi::Error DcpA2aCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::AnyBuffer lse,
                       ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y, ffi::RemainingRets rets,
-                      std::string_view channel_id, std::string_view group, bool base2,
+                      std::string_view channel_id, std::string_view group, int32_t site, bool base2,
                       bool return_lse) {
   const RankLease handle = Registry::get().lease(Platform::kCuda, channel_id, group, ordinal);
   if (!handle) return ffi::Error::InvalidArgument(unprepared_message("dcp_a2a", channel_id, ordinal));
@@ -209,7 +209,8 @@ ffi::Error DcpA2aCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::Any
   const bool bf16 = x.element_type() == ffi::DataType::BF16;
   const auto kernel = plan.lamport ? (bf16 ? dcp_a2a_lamport_kernel<DType::kBF16> : dcp_a2a_lamport_kernel<DType::kF16>)
                                    : (bf16 ? dcp_a2a_kernel<DType::kBF16> : dcp_a2a_kernel<DType::kF16>);
-  kernel<<<plan.grid, kThreads, 0, stream>>>(v, s, plan, in, in_lse, out, out_lse);
+  kernel<<<plan.grid, kThreads, 0, stream>>>(v, s, plan, plan.tag(s, bf16 ? DType::kBF16 : DType::kF16, site), in,
+                                            in_lse, out, out_lse);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
     return ffi::Error::Internal(std::string("b12x_jax.dcp_a2a: kernel launch failed: ") + cudaGetErrorString(err));

@@ -48,14 +48,15 @@ __device__ __forceinline__ float block_sum(float x) {
 // row is normalised.
 template <DType D>
 __global__ void __launch_bounds__(kThreads)
-    residual_rmsnorm_kernel(ChannelView v, RowsShape s, RowsPlan plan, float eps, const Pack* __restrict__ in,
+    residual_rmsnorm_kernel(ChannelView v, RowsShape s, RowsPlan plan, CallTag tag, float eps,
+                            const Pack* __restrict__ in,
                             const Pack* __restrict__ residual, const Pack* __restrict__ weight,
                             Pack* __restrict__ normed, Pack* __restrict__ residual_out) {
   const int first = blockIdx.x * plan.rows_per_block;
   const int rows = first < s.rows ? min(plan.rows_per_block, s.rows - first) : 0;
   const size_t lo = static_cast<size_t>(first) * s.row_packs;
   const size_t n = static_cast<size_t>(rows) * s.row_packs;
-  const bool done = lamport_exchange<kThreads>(v, plan.tag(s), in + lo, n, [&](size_t i, const Pack* staged) {
+  const bool done = lamport_exchange<kThreads>(v, tag, in + lo, n, [&](size_t i, const Pack* staged) {
     const Pack res = residual[lo + i];
     residual_out[lo + i] = sum_in_rank_order<D>(staged, v.world, &res);
   });
@@ -80,7 +81,7 @@ ffi::Error ResidualRmsnormCuda(cudaStream_t stream, int32_t ordinal, ffi::Token,
                                ffi::AnyBuffer residual, ffi::AnyBuffer weight, ffi::Result<ffi::Token>,
                                ffi::Result<ffi::AnyBuffer> normed,
                                ffi::Result<ffi::AnyBuffer> residual_out, std::string_view channel_id,
-                               std::string_view group, float eps) {
+                               std::string_view group, int32_t site, float eps) {
   const std::string op = "b12x_jax.all_reduce_residual_rmsnorm: ";
   const RankLease handle = Registry::get().lease(Platform::kCuda, channel_id, group, ordinal);
   if (!handle) return ffi::Error::InvalidArgument(unprepared_message("all_reduce_residual_rmsnorm", channel_id, ordinal));
@@ -102,15 +103,18 @@ ffi::Error ResidualRmsnormCuda(cudaStream_t stream, int32_t ordinal, ffi::Token,
   const auto* in = static_cast<const Pack*>(x.untyped_data());
   const auto* res = static_cast<const Pack*>(residual.untyped_data());
   const auto* w = static_cast<const Pack*>(weight.untyped_data());
+  const auto launch = [&](auto kernel, DType dtype) {
+    kernel<<<plan.grid, kThreads, 0, stream>>>(v, s, plan, plan.tag(s, dtype, site), eps, in, res, w, out, res_out);
+  };
   switch (x.element_type()) {
     case ffi::DataType::F32:
-      residual_rmsnorm_kernel<DType::kF32><<<plan.grid, kThreads, 0, stream>>>(v, s, plan, eps, in, res, w, out, res_out);
+      launch(residual_rmsnorm_kernel<DType::kF32>, DType::kF32);
       break;
     case ffi::DataType::BF16:
-      residual_rmsnorm_kernel<DType::kBF16><<<plan.grid, kThreads, 0, stream>>>(v, s, plan, eps, in, res, w, out, res_out);
+      launch(residual_rmsnorm_kernel<DType::kBF16>, DType::kBF16);
       break;
     case ffi::DataType::F16:
-      residual_rmsnorm_kernel<DType::kF16><<<plan.grid, kThreads, 0, stream>>>(v, s, plan, eps, in, res, w, out, res_out);
+      launch(residual_rmsnorm_kernel<DType::kF16>, DType::kF16);
       break;
     default:
       return ffi::Error::InvalidArgument(op + "dtype must be float32, bfloat16 or float16");
