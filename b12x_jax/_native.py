@@ -104,6 +104,15 @@ def shutdown_host_progress(seconds: float) -> bool:
   return bool(_b12x.shutdown_host_progress(seconds))
 
 
+def payload_limits(options) -> tuple[int, int]:
+  """(capacity_bytes, lamport_window) of a channel with ``options``: a call
+  stages at most the first and takes the Lamport exchange up to the second
+  (0: never), at trace time and in every handler (ffi/channel.h
+  ChannelView)."""
+  capacity, window = _b12x.payload_limits(options)
+  return int(capacity), int(window)
+
+
 def lamport_cell_bytes(options, blocks: int) -> int:
   """One Lamport cell of a channel with ``options`` and ``blocks`` blocks,
   as the native layer lays it out (ffi/registry.cc base_view: the window

@@ -287,6 +287,12 @@ class Communicator:
     del self.decisions[:-MAX_DECISIONS]
     return decision
 
+  @property
+  def lamport_window(self) -> int:
+    """Payloads up to this many bytes take the Lamport exchange (0: none),
+    by the rule every handler applies (_native.payload_limits)."""
+    return _native.payload_limits(self.native_options())[1]
+
   # -- preparation -------------------------------------------------------------
 
   def native_options(self, first_call_s: float | None = None):

@@ -63,7 +63,7 @@ inline int grid_for(size_t bytes, const StagingLayout& layout, size_t bytes_per_
 // the payload size and the channel's layouts, so every rank plans the same.
 inline Plan plan_for(size_t bytes, int world, Algorithm chosen, const ChannelView& v) {
   const size_t packs = bytes / kPackBytes;
-  if (v.lamport_layout.block_bytes > 0 && bytes <= v.lamport_layout.capacity()) {
+  if (v.lamport_layout.block_bytes > 0 && bytes <= v.lamport_window) {
     const int grid = grid_for(bytes, v.lamport_layout, kLamportBytesPerBlock);
     return {Algorithm::kLamport, grid, packs, packs, (packs + grid - 1) / grid};
   }

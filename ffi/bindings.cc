@@ -161,6 +161,13 @@ NB_MODULE(_b12x, m) {
   m.def("shutdown_host_progress", &shutdown_host_progress, nb::arg("seconds"),
         "At exit: waits (bounded) for the host backend's queued calls, then joins its progress thread.");
 
+  m.def("payload_limits", [](const ChannelOptions& options) {
+    const ChannelView v = base_view(options, 1, 1);
+    return nb::make_tuple(v.capacity_bytes, v.lamport_window);
+  }, nb::arg("options"),
+     "(capacity_bytes, lamport_window) of a channel prepared with `options`: the one capacity rule (ffi/channel.h "
+     "ChannelView).");
+
   m.def("lamport_cell_bytes", [](const ChannelOptions& options, int blocks) {
     if (blocks < 1 || blocks > kMaxBlocks) throw std::invalid_argument("b12x_jax: blocks must be in [1, 64]");
     return base_view(options, 1, blocks).lamport_layout.block_bytes;
@@ -261,8 +268,8 @@ NB_MODULE(_b12x, m) {
     out["world"] = h.group->world();
     out["epoch"] = h.group->read_calls(h.rank);
     out["poisoned"] = h.group->read_poisoned(h.rank);
-    out["capacity_bytes"] = h.view().layout.capacity();
-    out["lamport_bytes"] = h.view().lamport_layout.capacity();
+    out["capacity_bytes"] = h.view().capacity_bytes;
+    out["lamport_bytes"] = h.view().lamport_window;
     return out;
   }, nb::arg("platform"), nb::arg("channel"), nb::arg("ordinal"),
      "Read-only state of one rank of a channel, for tests and debugging.");

@@ -165,8 +165,6 @@ struct StagingLayout {
   // Bytes of a Lamport region: the cells, then the headers (0 where there
   // are no cells).
   B12X_HD size_t lamport_region_bytes() const { return block_bytes == 0 ? 0 : header_offset(slots, 0, 0); }
-  // Largest payload one call can stage: every block full.
-  B12X_HD size_t capacity() const { return block_bytes * max_blocks; }
 };
 
 // Everything one rank needs to run a collective, as plain values so it can
@@ -176,6 +174,12 @@ struct ChannelView {
   char* staging[kMaxRanks];      // staging[r]: rank r's staging region
   char* lamport[kMaxRanks];      // lamport[r]: rank r's Lamport buffers and headers
   ErrorRecord* error;            // this rank's error record
+  // The one capacity rule (registry.cc base_view), at trace time and in
+  // every handler: a call stages at most capacity_bytes, and takes the
+  // Lamport exchange where it is at most lamport_window (0: never). The
+  // layouts' cells hold at least that much at any grid.
+  size_t capacity_bytes;
+  size_t lamport_window;
   StagingLayout layout;
   StagingLayout lamport_layout;  // block_bytes 0 where there are no Lamport buffers
   uint64_t timeout_ns;

@@ -133,13 +133,16 @@ uint32_t Registry::next_generation() {  // under the exclusive lock
 }
 
 ChannelView base_view(const ChannelOptions& options, int world, int blocks) {
-  const auto cell_bytes = [&](size_t bytes) { return bytes / blocks / kPackBytes * kPackBytes; };
+  // Cells round up, so that every payload within a limit fits them at any grid.
+  const size_t unit = static_cast<size_t>(blocks) * kPackBytes;
+  const auto cell_bytes = [&](size_t bytes) { return (bytes + unit - 1) / unit * kPackBytes; };
   ChannelView view{};
+  view.capacity_bytes = options.capacity_bytes;
   view.layout = StagingLayout{cell_bytes(options.capacity_bytes), world, blocks, kStagingSlots};
   // The Lamport window never exceeds the capacity: decided here, for the
-  // kernels and for the Python layer's choice of the fused op alike.
-  const size_t window = std::min(options.lamport_bytes, options.capacity_bytes);
-  view.lamport_layout = StagingLayout{cell_bytes(window), world, blocks, kLamportBuffers};
+  // kernels and for the Python layer alike (payload_limits).
+  view.lamport_window = std::min(options.lamport_bytes, options.capacity_bytes);
+  view.lamport_layout = StagingLayout{cell_bytes(view.lamport_window), world, blocks, kLamportBuffers};
   view.world = world;
   view.loopback = options.loopback && world == 1 ? 1 : 0;
   view.timeout_ns = static_cast<uint64_t>(options.timeout_s * 1e9);

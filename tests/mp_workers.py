@@ -135,6 +135,35 @@ def all_reduce_mode(args) -> dict:
   return {"hashes": hashes, "rank": stats["rank"], "world": stats["world"], "epochs": epochs}
 
 
+# Limits that 3 blocks do not divide into 16-byte cells (4112 = 3 * 1360 + 32): a payload of the
+# limit itself is taken at trace time and must run (ffi/channel.h, the one capacity rule).
+EDGE_CONFIGS = [{"max_blocks": 3, "capacity_bytes": 4112, "lamport_bytes": 0},
+                {"max_blocks": 3, "lamport_bytes": 4112}]
+
+
+def capacity_edge_mode(args) -> dict:
+  """all_reduce of payloads at the edge of the capacity and of the Lamport
+  window under EDGE_CONFIGS, checked against float64 on every process.
+  Returns the protocol each config's payload took."""
+  import jax
+  import numpy as np
+
+  import b12x_jax
+  mesh = _mesh()
+  rng = np.random.default_rng(0)
+  paths = []
+  for config in EDGE_CONFIGS:
+    comm = _communicator(args, poison_outputs=True, **config)
+    b12x_jax.set_communicator(comm)
+    with b12x_jax.channel("edge"):
+      for _ in range(2):
+        _check(_reducer(mesh, b12x_jax.all_reduce), mesh, rng, 4112 // 4, "float32")
+    paths.append("; ".join(d.reason for d in comm.decisions))  # a Triton kernel that cannot take it adds its own
+    b12x_jax.check_errors()
+    comm.close()
+  return {"paths": paths}
+
+
 def wrap_mode(args) -> dict:
   """all_reduce inside and above the Lamport window across the uint32 wrap
   of the counters (docs/DESIGN.md, "Wrap"), between processes: the hook on
@@ -1001,7 +1030,7 @@ def same_program_mode(args) -> dict:
           "rows_filled": [[bool(row.any()) for row in table] for table in tables]}
 
 
-MODES = {"loops": loops_mode, "same_program": same_program_mode, "drop_in": drop_in_mode, "all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
+MODES = {"capacity_edge": capacity_edge_mode, "loops": loops_mode, "same_program": same_program_mode, "drop_in": drop_in_mode, "all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
          "never_joins": never_joins_mode, "close_twice": close_twice_mode, "throwaway": throwaway_mode,
          "exit_pending": exit_pending_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,
          "residual_rmsnorm": residual_rmsnorm_mode, "never_calls": never_calls_mode, "mismatch": mismatch_mode, "reprepare": reprepare_mode,

@@ -14,8 +14,9 @@ import shutil
 import pytest
 
 from mp_workers import FUSED_CASES
-from test_multiprocess import (ALL_REDUCE_CONFIGS, MISMATCHED_CALLS, check_all_reduce_configs, check_dcp,
-                               check_drop_in, check_loops, check_mismatch, check_never_calls, dcp_options)
+from test_multiprocess import (ALL_REDUCE_CONFIGS, MISMATCHED_CALLS, check_all_reduce_configs, check_capacity_edge,
+                               check_dcp, check_drop_in, check_loops, check_mismatch, check_never_calls,
+                               dcp_options)
 
 pytestmark = pytest.mark.gpu_rig
 WORLDS = [2, 4, 8]
@@ -29,6 +30,11 @@ def test_all_reduce_on_the_lamport_and_barrier_paths_of_each_algorithm_matches_f
   results = gpu_rig("all_reduce", n, "--configs", json.dumps(ALL_REDUCE_CONFIGS),
                     env=GRAPHS_OFF if graphs == "off" else None)
   check_all_reduce_configs(results)
+
+
+@pytest.mark.parametrize("kernels", ["ffi", "triton"])
+def test_payloads_at_the_capacity_of_a_grid_that_does_not_divide_it_run_right(gpu_rig, kernels):
+  check_capacity_edge(gpu_rig("capacity_edge", 2, communicator={"kernels": kernels}))
 
 
 @pytest.mark.parametrize("kernels", ["ffi", "triton"])

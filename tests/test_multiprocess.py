@@ -42,6 +42,16 @@ def test_all_reduce_across_processes_under_each_algorithm_matches_float64(multip
   check_all_reduce_configs(multiprocess("all_reduce", 2, "--configs", json.dumps(ALL_REDUCE_CONFIGS)))
 
 
+def check_capacity_edge(results: list[dict]) -> None:
+  """capacity_edge mode: each payload at its limit ran on b12x, right on every process."""
+  for r in results:
+    assert [("one_shot" in p, "Lamport window" in p) for p in r["paths"]] == [(True, False), (False, True)], r
+
+
+def test_payloads_at_the_capacity_and_at_the_lamport_window_run_right(multiprocess):
+  check_capacity_edge(multiprocess("capacity_edge", 2))
+
+
 def test_the_fused_op_across_processes_matches_float64_with_identical_bits(multiprocess):
   results = multiprocess("residual_rmsnorm", 2, "--communicator", json.dumps({"poison_outputs": True}))
   from mp_workers import FUSED_CASES

@@ -91,7 +91,7 @@ def _packs(leaves: list[jax.Array], axis_name, axis_index_groups) -> list[list[i
   axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
   if len(leaves) == 1 or comm.policy == "psum" or _why_psum_only(axes, axis_index_groups) is not None:
     return [[i] for i in range(len(leaves))]
-  window = min(comm.lamport_bytes, comm.capacity_bytes)  # a pack is one call: it must fit both
+  window = comm.lamport_window  # a pack is one call in the Lamport window
   open_packs: dict[tuple, tuple[list[int], int]] = {}  # (dtype, varying axes) -> (indices, bytes)
   packs: list[list[int]] = []
   for i, leaf in enumerate(leaves):
@@ -143,8 +143,7 @@ def _all_reduce_leaf(x: jax.Array, axis_name, axis_index_groups, channel: str | 
   (axis,), (size,) = axes, sizes
   nbytes = x.size * x.dtype.itemsize
   algorithm, why, psum_is_faster = _algorithm(comm, nbytes, size)
-  window = min(comm.lamport_bytes, comm.capacity_bytes)
-  kernel = comm.choose_kernel(_OP, _triton_lamport.why_not(x.dtype, nbytes, window))
+  kernel = comm.choose_kernel(_OP, _triton_lamport.why_not(x.dtype, nbytes, comm.lamport_window))
   decision = comm.choose_path(_OP, name, nbytes, x.dtype, size, detail=f"{detail}; {why}" if detail else why,
                               prefer_fallback=psum_is_faster, kernel=kernel)
   if decision.path == "psum":
@@ -172,8 +171,8 @@ def _algorithm(comm, nbytes: int, size: int) -> tuple[str, str, str | None]:
   between them."""
   if comm.algorithm != "auto":
     return comm.algorithm, f"{comm.algorithm} (Communicator(algorithm={comm.algorithm!r}))", None
-  if nbytes <= comm.lamport_bytes:
-    return "one_shot", "within lamport_bytes (the Lamport exchange)", None
+  if nbytes <= comm.lamport_window:
+    return "one_shot", "within the Lamport window (the Lamport exchange)", None
   crossover = tuning.crossover_for(jax.devices()[0].device_kind, size, stored=jax.process_count() == 1)
   if crossover.two_shot_from is not None and nbytes >= crossover.two_shot_from:
     algorithm, why = "two_shot", f"two_shot from {crossover.two_shot_from} bytes ({crossover.source})"

@@ -132,10 +132,10 @@ ffi::Future AllReduceHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::Re
   const size_t bytes = x.size_bytes();
   if (!handle) {
     promise.SetError(ffi::Error::InvalidArgument(unprepared_message("all_reduce", channel_id, ordinal)));
-  } else if (bytes % kPackBytes != 0 || bytes > handle.view().layout.capacity()) {
+  } else if (bytes % kPackBytes != 0 || bytes > handle.view().capacity_bytes) {
     promise.SetError(ffi::Error::InvalidArgument(
         "b12x_jax.all_reduce: payload of " + std::to_string(bytes) + " bytes is outside the channel's window "
-        "(a multiple of 16 up to " + std::to_string(handle.view().layout.capacity()) + ")"));
+        "(a multiple of 16 up to " + std::to_string(handle.view().capacity_bytes) + ")"));
   } else if (!supported(x.element_type())) {
     promise.SetError(ffi::Error::InvalidArgument("b12x_jax.all_reduce: dtype must be float32, bfloat16 or float16"));
   } else if (algorithm < 0 || static_cast<uint32_t>(algorithm) > kLastRequestable) {

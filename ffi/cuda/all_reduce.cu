@@ -98,10 +98,10 @@ ffi::Error AllReduceCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::
   if (!earlier.empty()) return ffi::Error::Internal(earlier);
   const ChannelView& v = handle.view();
   const size_t bytes = x.size_bytes();
-  if (bytes % kPackBytes != 0 || bytes > v.layout.capacity()) {
+  if (bytes % kPackBytes != 0 || bytes > v.capacity_bytes) {
     return ffi::Error::InvalidArgument("b12x_jax.all_reduce: payload of " + std::to_string(bytes) +
                                        " bytes is outside the channel's window (a multiple of 16 up to " +
-                                       std::to_string(v.layout.capacity()) + ")");
+                                       std::to_string(v.capacity_bytes) + ")");
   }
   auto* out = static_cast<Pack*>(y->untyped_data());
   if (handle.group->options().poison_outputs) cudaMemsetAsync(out, 0xFF, bytes, stream);  // NaN everywhere

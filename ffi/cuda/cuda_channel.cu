@@ -228,9 +228,6 @@ int resolve_max_blocks(const ChannelOptions& options, const std::vector<int>& or
                                   "; lower Communicator(max_blocks=...)");
     }
   }
-  if (options.capacity_bytes / max_blocks < kPackBytes) {
-    throw std::invalid_argument("b12x_jax: capacity_bytes must be at least 16 * max_blocks");
-  }
   return max_blocks;
 }
 
