@@ -151,17 +151,43 @@ def dcp_tag_limits() -> tuple[int, int]:
   return int(heads), int(row_bytes)
 
 
-def share(platform: str, channel: str, partition: str, ordinals: list[int], options):
+def share(platform: str, channel: str, partition: str, ordinals: list[int], options, preparation: str):
   """Allocates, zero-fills and exports this process's ranks of a channel
   shared with other processes (``ordinals[r]`` is -1 for a rank another
-  process holds): POSIX shared memory on CPU, CUDA IPC on GPUs. Returns the
+  process holds): POSIX shared memory on CPU, CUDA IPC on GPUs, as the
+  memory of ``preparation`` (the name every process gives it). Returns the
   native PendingGroup that rendezvous steps drive to install or free."""
   with _native_errors(f"allocating channel {channel!r} on {platform} devices {ordinals} for other processes"):
     if platform == "cpu":
-      return _b12x.share_host(channel, partition, ordinals, options)
+      return _b12x.share_host(channel, partition, ordinals, options, preparation)
     if platform == "cuda":
-      return _b12x.share_cuda(channel, partition, ordinals, options)
+      return _b12x.share_cuda(channel, partition, ordinals, options, preparation)
     raise TransportError(f"no b12x backend for platform {platform!r}")
+
+
+def reusable(platform: str, channel: str, partition: str, ordinals: list[int], options) -> str:
+  """The preparation of a released group that a new preparation of
+  ``channel`` on these devices and options can reuse ('' if none): of the
+  channel itself first, else of another name (ffi/registry.h reusable)."""
+  with _native_errors(f"looking for released memory of channel {channel!r}"):
+    return str(_b12x.reusable(platform, channel, partition, ordinals, options))
+
+
+def revive(platform: str, preparation: str, channel: str) -> bool:
+  """Puts the released group of ``preparation`` back into use as
+  ``channel``, reset; False if it cannot (busy)."""
+  with _native_errors(f"resetting released memory for channel {channel!r}"):
+    return bool(_b12x.revive(platform, preparation, channel))
+
+
+def retire(platform: str, preparation: str) -> None:
+  """Takes a group revived by a preparation that then failed out of use."""
+  _b12x.retire(platform, preparation)
+
+
+def unlink_export(platform: str, exported: bytes) -> None:
+  """Unlinks the host-wide name in a peer's export, if it has one."""
+  _b12x.unlink_export(platform, exported)
 
 
 def open_peer(pending, rank: int, exported: bytes) -> None:

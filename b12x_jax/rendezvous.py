@@ -178,18 +178,25 @@ class Session:
       raise self._timeout(step, f"{name!r} was not published")
     return value
 
+  def gather(self, step: str, word: bytes) -> dict[int, bytes]:
+    """Publishes this process's ``word`` for ``step`` and returns every
+    process's (process -> word), waiting for each at most the timeout."""
+    self.publish(f"{step}/p{self.me}", word)
+    words = {}
+    for p in self.processes:
+      words[p] = _compat.kv_get_bytes(f"{self.prefix}/{step}/p{p}", self.timeout_s)
+      if words[p] is None:
+        raise self._timeout(step, f"process {p} did not report")
+    return words
+
   def verdict(self, step: str, problem: BaseException | None) -> None:
     """The collective end of ``step``: publishes whether this process got
     through it, waits for every other process's word, and raises, the same
     error type on every process, if any failed or did not answer within the
     timeout."""
     kind = "" if problem is None else type(problem).__name__ if isinstance(problem, B12xError) else "TransportError"
-    self.publish(f"{step}/p{self.me}", f"{kind}\0{problem or ''}".encode())
     failures: list[tuple[int, str, str]] = []
-    for p in self.processes:
-      word = _compat.kv_get_bytes(f"{self.prefix}/{step}/p{p}", self.timeout_s)
-      if word is None:
-        raise self._timeout(step, f"process {p} did not report")
+    for p, word in self.gather(step, f"{kind}\0{problem or ''}".encode()).items():
       kind, _, message = word.decode().partition("\0")
       if kind:
         failures.append((p, kind, message))
@@ -222,7 +229,9 @@ def prepare_shared(platform: str, channel: str, partition: str, group_key: str, 
                    ordinals: list[int], options, settings: Settings, setup_timeout_s: float) -> str:
   """Prepares this process's ranks of a channel group that spans
   ``processes`` (``ordinals[r]`` is -1 for a rank another process holds),
-  collectively, in three steps, each ending with a verdict:
+  collectively. Where every process holds the same released group for
+  these devices and settings, it is reused (``_reuse``); else in three
+  steps, each ending with a verdict:
 
     allocated  allocate, zero-fill and export the local ranks; publish one
                Frame per rank. On failure anywhere: free, raise.
@@ -237,13 +246,17 @@ def prepare_shared(platform: str, channel: str, partition: str, group_key: str, 
 
   Every process fetches every frame and checks in the same order, so a
   disagreement between any two processes is found by all, as the same
-  error (DESIGN C17). On success the group is installed and handlers find
+  error (DESIGN C17). A failure leaves no shared-memory name on the host,
+  of this process or of a peer that died with its own (``_drop_names``).
+  On success the group is installed and handlers find
   it. Each step waits at most ``setup_timeout_s`` for the peers;
   ``options`` are a native ChannelOptions (``_native.channel_options``),
   ``settings`` the Communicator's that peers must share. Returns the name
   every process gives this preparation (for ``publish_records``)."""
   session = Session(f"prepare/{platform}/{channel}/{group_key}", processes, setup_timeout_s)
-  pending, problem = _attempt(lambda: _native.share(platform, channel, partition, ordinals, options))
+  if _reuse(session, platform, channel, partition, ordinals, options, settings):
+    return session.prefix
+  pending, problem = _attempt(lambda: _native.share(platform, channel, partition, ordinals, options, session.prefix))
   own = None
   try:
     if pending is not None:
@@ -253,6 +266,7 @@ def prepare_shared(platform: str, channel: str, partition: str, group_key: str, 
         session.publish(f"frame/{rank}", own.encode())
     session.verdict("allocated", problem)
   except BaseException:
+    _drop_names(session, platform, ordinals)
     if pending is not None:
       pending.free()  # nothing of it was opened anywhere yet
     raise
@@ -276,6 +290,8 @@ def prepare_shared(platform: str, channel: str, partition: str, group_key: str, 
   try:
     session.verdict("opened", problem)
   except BaseException:
+    pending.drop_names()  # at once: a peer that times out below keeps the memory, never its name
+    _drop_names(session, platform, ordinals)
     pending.close_imports()
     try:
       session.verdict("closed", None)
@@ -286,6 +302,53 @@ def prepare_shared(platform: str, channel: str, partition: str, group_key: str, 
     raise
   pending.install()
   return session.prefix
+
+
+def _reuse(session: Session, platform: str, channel: str, partition: str, ordinals: list[int], options,
+           settings: Settings) -> bool:
+  """Reuses a released group where every process holds the same one for
+  these devices and options (ffi/registry.h reusable) and has the same
+  settings: each resets its own ranks, then a verdict, so no peer writes
+  into memory not yet reset; the group serves handlers again, under
+  ``channel``. False, with nothing changed, where they do not all agree
+  (also where one failed to reset): the caller allocates anew, and its
+  steps report a disagreement on the settings."""
+  candidate, _ = _attempt(lambda: _native.reusable(platform, channel, partition, ordinals, options))
+  word = f"{candidate or ''}\0{settings!r}".encode()
+  words = set(session.gather("reusable", word).values())  # every process takes part, with or without a candidate
+  if not candidate or words != {word}:
+    return False
+  revived, problem = _attempt(lambda: _native.revive(platform, candidate, channel))
+  if problem is None and not revived:
+    problem = TransportError(f"b12x_jax: channel {channel!r}: released memory is still busy")
+  try:
+    session.verdict("reset", problem)
+  except (ChannelError, TransportError):
+    if revived:
+      _native.retire(platform, candidate)
+    return False
+  return True
+
+
+# How long a failed preparation looks for a peer's frame to unlink its name.
+_NAME_LOOKUP_S = 0.1
+
+
+def _drop_names(session: Session, platform: str, ordinals: list[int]) -> None:
+  """Unlinks the shared-memory names of every remote rank that published
+  its frame in ``session``: a peer that died part-way cannot unlink its
+  own. (CUDA IPC handles have no name: they die with their process.)"""
+  if platform != "cpu":
+    return
+  for rank, ordinal in enumerate(ordinals):
+    if ordinal >= 0:
+      continue
+    data = _compat.kv_get_bytes(f"{session.prefix}/frame/{rank}", _NAME_LOOKUP_S)
+    if data is not None:
+      try:
+        _native.unlink_export(platform, Frame.decode(data).payload)
+      except ChannelError:  # not a frame of ours: nothing of ours to unlink
+        pass
 
 
 def publish_records(preparation: str, kind: str, records: dict[int, bytes]) -> None:
@@ -316,7 +379,7 @@ def release_shared(platform: str, channel: str, processes: Sequence[int], timeou
   issuing work on the channel, then each takes it out of use. Nothing is
   unmapped or freed: a cached executable or CUDA graph of any process may
   still point at the memory, its own or a peer's (DESIGN C16); a later
-  preparation of the name allocates and exchanges anew."""
+  preparation of the same devices and settings reuses it (``_reuse``)."""
   session = Session(f"release/{platform}/{channel}", processes, timeout_s)
   try:
     session.verdict("drained", None)

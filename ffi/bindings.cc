@@ -53,8 +53,9 @@ Platform parse_platform(const std::string& platform) {
   throw std::invalid_argument("b12x_jax: unknown platform '" + platform + "'");
 }
 
-void add_group(std::unique_ptr<ChannelGroup> group, const std::string& partition) {
+void add_group(std::unique_ptr<ChannelGroup> group, const std::string& partition, std::string preparation) {
   group->set_partition(partition);
+  group->set_preparation(std::move(preparation));
   const std::string problem = Registry::get().add(std::move(group));
   if (!problem.empty()) throw std::invalid_argument("b12x_jax: " + problem);
 }
@@ -65,6 +66,17 @@ DType parse_dtype(const std::string& dtype) {
   if (dtype == "float16") return DType::kF16;
   throw std::invalid_argument("b12x_jax: no b12x call takes dtype '" + dtype + "'");
 }
+
+#if defined(B12X_WITH_CUDA)
+// The ordinals of the ranks this process holds.
+std::vector<int> local_ordinals(const std::vector<int>& ordinals) {
+  std::vector<int> local;
+  for (int ordinal : ordinals) {
+    if (ordinal != kRemoteRank) local.push_back(ordinal);
+  }
+  return local;
+}
+#endif
 
 nb::tuple tag_tuple(const CallTag& tag) { return nb::make_tuple(tag.call, tag.algorithm, tag.packs, tag.site); }
 
@@ -78,8 +90,8 @@ RankHandle find_or_throw(const std::string& platform, const std::string& channel
 // (shared_group.h): the steps between two collective verdicts.
 class PendingGroup {
  public:
-  PendingGroup(std::unique_ptr<SharedGroup> group, std::string partition)
-      : group_(std::move(group)), partition_(std::move(partition)) {}
+  PendingGroup(std::unique_ptr<SharedGroup> group, std::string partition, std::string preparation)
+      : group_(std::move(group)), partition_(std::move(partition)), preparation_(std::move(preparation)) {}
 
   nb::dict exports() const {
     nb::dict out;
@@ -98,10 +110,11 @@ class PendingGroup {
     return nb::make_tuple(v.layout.block_bytes, v.lamport_layout.block_bytes, v.layout.max_blocks);
   }
   void close_imports() { get().close_imports(); }
+  void drop_names() { get().drop_names(); }
   // Every rank opened every import: the group serves handlers from now on.
   void install() {
-    get().opened_everywhere();
-    add_group(std::move(group_), partition_);
+    get().drop_names();
+    add_group(std::move(group_), partition_, preparation_);
   }
   // Frees the exports: only after every rank closed its imports.
   void free() { group_.reset(); }
@@ -113,7 +126,19 @@ class PendingGroup {
   }
   std::unique_ptr<SharedGroup> group_;
   std::string partition_;
+  std::string preparation_;
 };
+
+// Prepares a group held by this process alone: the memory of a released one
+// where one fits (Registry::reusable), else new.
+template <class Make>
+void prepare_local(Platform platform, const std::string& channel, const std::string& partition,
+                   const std::vector<int>& ordinals, const ChannelOptions& options, Make make) {
+  Registry& registry = Registry::get();
+  const std::string reused = registry.reusable(platform, channel, partition, ordinals, options);
+  if (!reused.empty() && registry.revive(platform, reused, channel)) return;
+  add_group(make(), partition, registry.local_preparation());
+}
 
 }  // namespace
 }  // namespace b12x
@@ -210,21 +235,21 @@ NB_MODULE(_b12x, m) {
 
   m.def("prepare_host", [](const std::string& channel, const std::string& partition, std::vector<int> ordinals,
                            const ChannelOptions& options) {
-    if (Registry::get().revive(Platform::kHost, channel, partition, ordinals, options)) return;
-    add_group(make_host_group(channel, std::move(ordinals), options), partition);
+    prepare_local(Platform::kHost, channel, partition, ordinals, options,
+                  [&] { return make_host_group(channel, ordinals, options); });
   }, nb::arg("channel"), nb::arg("partition"), nb::arg("ordinals"), nb::arg("options"),
      "Allocates the channel in host memory for the given CPU devices, ranks in list order, or reuses the "
-     "memory of its last release with the same devices and options.");
+     "memory of a released group on the same devices and options (of this channel first, else renamed).");
 
 #if defined(B12X_WITH_CUDA)
   m.def("prepare_cuda", [](const std::string& channel, const std::string& partition, std::vector<int> ordinals,
                            ChannelOptions options) {
     options.max_blocks = resolve_max_blocks(options, ordinals);  // as the group stores them
-    if (Registry::get().revive(Platform::kCuda, channel, partition, ordinals, options)) return;
-    add_group(make_cuda_group(channel, std::move(ordinals), options), partition);
+    prepare_local(Platform::kCuda, channel, partition, ordinals, options,
+                  [&] { return make_cuda_group(channel, ordinals, options); });
   }, nb::arg("channel"), nb::arg("partition"), nb::arg("ordinals"), nb::arg("options"),
      "Allocates the channel on the given GPUs of this process (peer access probed before), or reuses the "
-     "memory of its last release with the same devices and options.");
+     "memory of a released group on the same devices and options (of this channel first, else renamed).");
   m.def("probe_peer_access", &probe_peer_access, nb::arg("ordinals"),
         "Empty when every pair of the GPUs can read and write each other's memory, else why not.");
 #endif
@@ -235,24 +260,46 @@ NB_MODULE(_b12x, m) {
       .def("open", &PendingGroup::open, nb::arg("rank"), nb::arg("exported"), "Maps a remote rank's memory.")
       .def("layout", &PendingGroup::layout, "(block_bytes, lamport_block_bytes, max_blocks), equal on every rank.")
       .def("close_imports", &PendingGroup::close_imports, "Unmaps what open() mapped (rollback).")
+      .def("drop_names", &PendingGroup::drop_names, "Unlinks the local exports' names (rollback).")
       .def("install", &PendingGroup::install, "Hands the group to the handlers.")
       .def("free", &PendingGroup::free, "Frees the local memory (rollback, after every rank closed its imports).");
 
   m.def("share_host", [](const std::string& channel, const std::string& partition, std::vector<int> ordinals,
-                         const ChannelOptions& options) {
-    return PendingGroup(make_shm_group(channel, std::move(ordinals), options), partition);
-  }, nb::arg("channel"), nb::arg("partition"), nb::arg("ordinals"), nb::arg("options"),
+                         const ChannelOptions& options, const std::string& preparation) {
+    return PendingGroup(make_shm_group(channel, std::move(ordinals), options), partition, preparation);
+  }, nb::arg("channel"), nb::arg("partition"), nb::arg("ordinals"), nb::arg("options"), nb::arg("preparation"),
      "Allocates the local ranks of a channel shared with other processes in POSIX shared memory; "
      "ordinals[r] is -1 for a rank another process holds.");
 
 #if defined(B12X_WITH_CUDA)
   m.def("share_cuda", [](const std::string& channel, const std::string& partition, std::vector<int> ordinals,
-                         const ChannelOptions& options) {
-    return PendingGroup(make_ipc_group(channel, std::move(ordinals), options), partition);
-  }, nb::arg("channel"), nb::arg("partition"), nb::arg("ordinals"), nb::arg("options"),
+                         const ChannelOptions& options, const std::string& preparation) {
+    return PendingGroup(make_ipc_group(channel, std::move(ordinals), options), partition, preparation);
+  }, nb::arg("channel"), nb::arg("partition"), nb::arg("ordinals"), nb::arg("options"), nb::arg("preparation"),
      "Allocates and exports (CUDA IPC) this process's rank of a channel shared with other processes; "
      "ordinals[r] is -1 for a rank another process holds.");
 #endif
+
+  m.def("reusable", [](const std::string& platform, const std::string& channel, const std::string& partition,
+                       const std::vector<int>& ordinals, ChannelOptions options) {
+    const Platform on = parse_platform(platform);
+#if defined(B12X_WITH_CUDA)
+    if (on == Platform::kCuda) options.max_blocks = resolve_max_blocks(options, local_ordinals(ordinals));
+#endif
+    return Registry::get().reusable(on, channel, partition, ordinals, options);
+  }, nb::arg("platform"), nb::arg("channel"), nb::arg("partition"), nb::arg("ordinals"), nb::arg("options"),
+     "The preparation of a released group a new preparation of the channel can reuse (ffi/registry.h), or ''.");
+  m.def("revive", [](const std::string& platform, const std::string& preparation, const std::string& channel) {
+    return Registry::get().revive(parse_platform(platform), preparation, channel);
+  }, nb::arg("platform"), nb::arg("preparation"), nb::arg("channel"),
+     "Puts the released group of `preparation` back into use as `channel`, reset; False if it cannot.");
+  m.def("retire", [](const std::string& platform, const std::string& preparation) {
+    Registry::get().retire(parse_platform(platform), preparation);
+  }, nb::arg("platform"), nb::arg("preparation"), "Takes a revived group out of use again (a failed preparation).");
+  m.def("unlink_export", [](const std::string& platform, nb::bytes exported) {
+    if (parse_platform(platform) == Platform::kHost) unlink_shm_export(std::string(exported.c_str(), exported.size()));
+  }, nb::arg("platform"), nb::arg("exported"),
+     "Unlinks the name in a peer's export where it has one (shared memory): a failed preparation leaves none.");
 
   m.def("release", [](const std::string& platform, const std::string& channel) {
     return Registry::get().release(parse_platform(platform), channel);

@@ -65,23 +65,50 @@ RankHandle Registry::find_locked(Platform platform, std::string_view channel, st
   return {};
 }
 
-bool Registry::revive(Platform platform, std::string_view channel, std::string_view partition,
-                      const std::vector<int>& ordinals,
-                      const ChannelOptions& options) {
+std::string Registry::reusable(Platform platform, std::string_view channel, std::string_view partition,
+                               const std::vector<int>& ordinals, const ChannelOptions& options) const {
+  std::shared_lock lock(mutex_);
+  const ChannelGroup* best = nullptr;
+  for (const auto& group : released_) {
+    if (group->platform() != platform || group->partition() != partition || group->ordinals() != ordinals ||
+        !(group->options() == options)) {
+      continue;
+    }
+    const auto rank = [&](const ChannelGroup* g) { return std::make_pair(g->channel() != channel, g->preparation()); };
+    if (best == nullptr || rank(group.get()) < rank(best)) best = group.get();
+  }
+  return best == nullptr ? std::string() : best->preparation();
+}
+
+bool Registry::revive(Platform platform, std::string_view preparation, std::string_view channel) {
   std::unique_lock lock(mutex_);
   for (auto it = released_.begin(); it != released_.end(); ++it) {
     ChannelGroup& group = **it;
-    if (group.platform() != platform || group.channel() != channel || group.partition() != partition ||
-        group.ordinals() != ordinals ||
-        !(group.options() == options) || !group.wait_idle() || !group.reset()) {
-      continue;
-    }
+    if (group.platform() != platform || group.preparation() != preparation) continue;
+    if (!group.wait_idle() || !group.reset()) return false;
+    group.set_channel(std::string(channel));
     group.write_generation(next_generation());
     groups_.push_back(std::move(*it));
     released_.erase(it);
     return true;
   }
   return false;
+}
+
+void Registry::retire(Platform platform, std::string_view preparation) {
+  std::unique_lock lock(mutex_);
+  for (auto it = groups_.begin(); it != groups_.end(); ++it) {
+    if ((*it)->platform() != platform || (*it)->preparation() != preparation) continue;
+    (*it)->write_generation(0);
+    released_.push_back(std::move(*it));
+    groups_.erase(it);
+    return;
+  }
+}
+
+std::string Registry::local_preparation() {
+  std::unique_lock lock(mutex_);
+  return "local/" + std::to_string(++local_preparations_);
 }
 
 size_t Registry::release(Platform platform, std::string_view channel) {

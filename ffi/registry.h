@@ -68,6 +68,12 @@ class ChannelGroup {
   // (DESIGN C18). The custom call names it in its `group` attribute.
   const std::string& partition() const { return partition_; }
   void set_partition(std::string partition) { partition_ = std::move(partition); }
+  // Which preparation allocated this memory: the name every process of a
+  // shared group gives it (rendezvous.py), or one of this process. A
+  // released group is reused under it (Registry::revive), also renamed.
+  const std::string& preparation() const { return preparation_; }
+  void set_preparation(std::string preparation) { preparation_ = std::move(preparation); }
+  void set_channel(std::string channel) { channel_ = std::move(channel); }
   Platform platform() const { return platform_; }
   const std::vector<int>& ordinals() const { return ordinals_; }
   const ChannelOptions& options() const { return options_; }
@@ -82,10 +88,11 @@ class ChannelGroup {
   virtual void close_imports() {}
 
   // Puts a released group back into its freshly prepared state (zero
-  // counters, empty buffers, no error) for a new preparation of the same
-  // channel, devices and options; false for a transport that cannot (a group
-  // shared with other processes is prepared anew, collectively). Only called
-  // once wait_idle() said no work can touch the memory.
+  // counters, empty buffers, no error) for a new preparation on the same
+  // devices and options; false for a transport that cannot. Only called
+  // once wait_idle() said no work of this process can touch the memory; in
+  // a group shared with other processes, each resets its own ranks before
+  // a collective verdict (rendezvous.py), so no peer writes into it before.
   virtual bool reset() { return false; }
 
   // Waits, bounded, until no work of this process queued before the group
@@ -120,6 +127,7 @@ class ChannelGroup {
  protected:
   std::string channel_;
   std::string partition_;
+  std::string preparation_;
   Platform platform_;
   std::vector<int> ordinals_;
   ChannelOptions options_;
@@ -150,10 +158,22 @@ class Registry {
   // Takes ownership; fails (returns a message) if a device of the group
   // already serves this channel in another group.
   std::string add(std::unique_ptr<ChannelGroup> group);
-  // A released group of `channel` on exactly these ordinals and options, put
-  // back into use after a reset (ChannelGroup::reset); false if none.
-  bool revive(Platform platform, std::string_view channel, std::string_view partition, const std::vector<int>& ordinals,
-              const ChannelOptions& options);
+  // The preparation of a released group that a new preparation of `channel`
+  // on exactly this partition, ordinals and options can reuse: one of
+  // `channel` first, else one of another name (renamed when revived), the
+  // smallest preparation name among them (every process of a shared group
+  // holds the same ones, so all pick the same). Empty if none.
+  std::string reusable(Platform platform, std::string_view channel, std::string_view partition,
+                       const std::vector<int>& ordinals, const ChannelOptions& options) const;
+  // Puts the released group of `preparation` back into use as `channel`,
+  // reset (ChannelGroup::reset), under a fresh generation; false if it is
+  // gone, busy or cannot reset.
+  bool revive(Platform platform, std::string_view preparation, std::string_view channel);
+  // Takes the group of `preparation` out of use again (a collective
+  // preparation that failed after this process revived it).
+  void retire(Platform platform, std::string_view preparation);
+  // A preparation name of this process, for a group no other process holds.
+  std::string local_preparation();
   // The rank of device `ordinal` in the group of `channel` over `partition`
   // (empty: the first group of the channel with that device).
   RankHandle find(Platform platform, std::string_view channel, std::string_view partition, int ordinal) const;
@@ -178,6 +198,7 @@ class Registry {
   // A fresh Signal::generation, never 0 (0: released).
   uint32_t next_generation();
   uint32_t generation_counter_ = 0;
+  uint64_t local_preparations_ = 0;
   RankHandle find_locked(Platform platform, std::string_view channel, std::string_view partition, int ordinal) const;
 
   mutable std::shared_mutex mutex_;

@@ -23,9 +23,12 @@ class SharedGroup : public ChannelGroup {
   // Maps remote rank `rank`'s memory from its export into every local view;
   // throws std::runtime_error with what failed.
   virtual void open(int rank, const std::string& exported) = 0;
-  // Called once every rank opened every import: a transport may drop what
-  // only the exchange needed (shared-memory names). Default: nothing.
-  virtual void opened_everywhere() {}
+  // Called once the names of the exports can serve nobody: every rank
+  // opened every import, or the preparation failed (a failed preparation
+  // leaves no name on the host, also where a peer keeps its mapping). A
+  // transport drops what only the exchange needed (shared-memory names).
+  // Default: nothing.
+  virtual void drop_names() {}
 };
 
 }  // namespace b12x

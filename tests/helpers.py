@@ -384,3 +384,34 @@ def lower_for_cuda(fn, args, monkeypatch) -> str:
   monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
                       lambda: plt.get_gpu_info_from_version(plt.GpuVersion.H200))
   return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def check_a_failed_call_leaves_later_calls_right(mesh, elems: int) -> None:
+  """A compiled executable run after its channel's release fails with "not
+  prepared"; the jitted function it was compiled from then traces again,
+  prepares the channel and runs right 20 times, check_errors reports
+  nothing, and the compiled executable runs right once the channel is
+  prepared (a failed execution taints no later one). For
+  tests/test_lifetime.py and tests/mp_workers.py (across processes, on CPU
+  and the rig)."""
+  import pytest
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  rng = np.random.default_rng(13)
+  fresh = lambda: random_shards(rng, mesh.size, elems, np.float32)  # noqa: E731
+  def run(f, shards):  # the rows of this process's devices
+    return np.stack([np.asarray(s.data) for s in f(put_sharded(mesh, shards)).addressable_shards])
+  with fresh_communicator(poison_outputs=True) as comm:
+    fn = jax.jit(jax.shard_map(lambda v: b12x_jax.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    with b12x_jax.channel("after-failure"):
+      compiled = fn.lower(put_sharded(mesh, fresh())).compile()
+      comm.release("after-failure")
+      with pytest.raises(Exception, match="channel 'after-failure' is not prepared on device"):
+        run(compiled, fresh())
+      for _ in range(20):
+        shards = fresh()
+        assert_sum_matches(run(fn, shards), shards, "float32")
+      comm.check_errors()
+      shards = fresh()
+      assert_sum_matches(run(compiled, shards), shards, "float32")

@@ -91,6 +91,22 @@ def _mapped_shm() -> list[str]:
   return mapped + left
 
 
+def _mapped_bytes() -> int:
+  """Bytes of b12x_jax shared memory this process maps (named or not)."""
+  total = 0
+  with open("/proc/self/maps") as f:
+    for line in f:
+      if "/b12x." in line:
+        start, end = (int(a, 16) for a in line.split()[0].split("-"))
+        total += end - start
+  return total
+
+
+def _shm_names() -> set[str]:
+  """Every b12x_jax name in /dev/shm, of any process."""
+  return {n for n in os.listdir("/dev/shm") if n.startswith("b12x.")}
+
+
 def _assert_head_shard(got, got_lse, outs, want, want_lse, mine: slice, dtype: str = "bfloat16") -> None:
   """This rank's head shard of a DCP merge ([B, H/n, D], and [B, H/n] or
   None) against the full attention ``want`` [B, H, D]
@@ -162,6 +178,13 @@ def capacity_edge_mode(args) -> dict:
     b12x_jax.check_errors()
     comm.close()
   return {"paths": paths}
+
+
+def after_failure_mode(args) -> dict:
+  """helpers.check_a_failed_call_leaves_later_calls_right across processes."""
+  from helpers import check_a_failed_call_leaves_later_calls_right
+  check_a_failed_call_leaves_later_calls_right(_mesh(), 1024)
+  return {"checked": True}
 
 
 def wrap_mode(args) -> dict:
@@ -440,6 +463,53 @@ def failed_prepare_mode(args) -> dict:
   with b12x_jax.channel("doomed"):
     value = _check(_reducer(mesh, b12x_jax.all_reduce), mesh, np.random.default_rng(2), 64, "float32")
   return {"errors": errors, "hash": value}
+
+
+def reuse_cycles_mode(args) -> dict:
+  """``--cycles`` throwaway channels across processes, every other one
+  under a new name: each preparation reuses the memory the last release
+  left (renamed where the name is new), so every cycle maps what the first
+  did. Returns the bytes mapped after each cycle."""
+  import numpy as np
+
+  import b12x_jax
+  mesh = _mesh()
+  comm = b12x_jax.get_communicator()
+  ours = _reducer(mesh, b12x_jax.all_reduce)
+  rng = np.random.default_rng(5)
+  mapped = []
+  for cycle in range(args.cycles):
+    with comm.throwaway("scratch" if cycle % 2 == 0 else f"scratch-{cycle}"):
+      _check(ours, mesh, rng, 64, "float32")
+    mapped.append(_mapped_bytes())
+  return {"mapped": mapped}
+
+
+def dies_preparing_mode(args) -> dict:
+  """Process 1 dies (SIGKILL) while it opens its peers' memory, after both
+  published their segments: process 0's preparation fails within the setup
+  timeout, and no b12x_jax name of either process is left in /dev/shm.
+  Returns process 0's error and the names left."""
+  import signal
+
+  import jax
+
+  import b12x_jax
+  from b12x_jax import _native
+  before = _shm_names()
+  if jax.process_index() == 1:
+    _native.open_peer = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+  comm = b12x_jax.Communicator(setup_timeout_s=args.setup_timeout)
+  b12x_jax.set_communicator(comm)
+  try:
+    comm.prepare(_mesh(), "x", channels=["mortal"])
+    message = None
+  except b12x_jax.B12xError as e:
+    message = str(e)
+  time.sleep(0.5)  # the peer's death is complete, its mappings gone
+  # Printed here, then out: jax.distributed's shutdown would wait for the dead peer.
+  print("RESULT " + json.dumps({"message": message, "left": sorted(_shm_names() - before)}), flush=True)
+  os._exit(0)
 
 
 def never_joins_mode(args) -> dict:
@@ -1030,7 +1100,8 @@ def same_program_mode(args) -> dict:
           "rows_filled": [[bool(row.any()) for row in table] for table in tables]}
 
 
-MODES = {"capacity_edge": capacity_edge_mode, "loops": loops_mode, "same_program": same_program_mode, "drop_in": drop_in_mode, "all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
+MODES = {"after_failure": after_failure_mode, "reuse_cycles": reuse_cycles_mode, "dies_preparing": dies_preparing_mode,
+         "capacity_edge": capacity_edge_mode, "loops": loops_mode, "same_program": same_program_mode, "drop_in": drop_in_mode, "all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
          "never_joins": never_joins_mode, "close_twice": close_twice_mode, "throwaway": throwaway_mode,
          "exit_pending": exit_pending_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,
          "residual_rmsnorm": residual_rmsnorm_mode, "never_calls": never_calls_mode, "mismatch": mismatch_mode, "reprepare": reprepare_mode,
@@ -1047,6 +1118,7 @@ def main() -> None:
   parser.add_argument("--port", type=int, required=True)
   parser.add_argument("--platform", default="cpu", choices=["cpu", "gpu", "gpu_rig"])
   parser.add_argument("--setup-timeout", type=float, default=3.0)
+  parser.add_argument("--cycles", type=int, default=30)  # reuse_cycles
   parser.add_argument("--timeout", type=float, default=2.0)
   parser.add_argument("--late", type=float, default=15.0)
   parser.add_argument("--communicator", default="{}")  # every process's Communicator arguments (JSON)

@@ -32,6 +32,11 @@ def test_all_reduce_on_the_lamport_and_barrier_paths_of_each_algorithm_matches_f
   check_all_reduce_configs(results)
 
 
+@pytest.mark.parametrize("graphs", ["on", "off"])
+def test_a_failed_execution_leaves_later_calls_right(gpu_rig, graphs):
+  assert gpu_rig("after_failure", 2, env=GRAPHS_OFF if graphs == "off" else None) == [{"checked": True}] * 2
+
+
 @pytest.mark.parametrize("kernels", ["ffi", "triton"])
 def test_payloads_at_the_capacity_of_a_grid_that_does_not_divide_it_run_right(gpu_rig, kernels):
   check_capacity_edge(gpu_rig("capacity_edge", 2, communicator={"kernels": kernels}))

@@ -18,7 +18,8 @@ import jax
 import numpy as np
 import pytest
 from conftest import WORKERS
-from helpers import assert_sum_matches, fresh_communicator, put_sharded, random_shards
+from helpers import (assert_sum_matches, check_a_failed_call_leaves_later_calls_right, fresh_communicator,
+                     put_sharded, random_shards)
 from jax.sharding import PartitionSpec as P
 
 import b12x_jax
@@ -44,6 +45,31 @@ def check_compiled_across_release_and_prepare(mesh, elems: int) -> None:
         with pytest.raises(Exception, match="channel 'reused' is not prepared on device"):
           np.asarray(compiled(put_sharded(mesh, shards)))
         comm.prepare(mesh, "x", channels=["reused"])
+
+
+def test_a_failed_execution_leaves_later_calls_right_and_reports_nothing_more(cpu_mesh):
+  check_a_failed_call_leaves_later_calls_right(cpu_mesh(2), 1024)
+
+
+def _resident_bytes() -> int:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_100_throwaway_channels_of_new_names_reuse_the_memory_of_the_first(cpu_mesh):
+  # A channel of the default 8 MiB capacity holds 2 x 2 x 8 MiB of staging and 3 x 2 x 1 MiB of Lamport
+  # buffers per rank: 76 MiB for 2 ranks. Each new name reuses (renamed) what the last release left.
+  mesh = cpu_mesh(2)
+  rng = np.random.default_rng(14)
+  with fresh_communicator() as comm:
+    fn = jax.jit(jax.shard_map(lambda v: b12x_jax.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    resident = []
+    for cycle in range(100):
+      with comm.throwaway(f"scratch-{cycle}"):
+        shards = random_shards(rng, 2, 256, np.float32)
+        assert_sum_matches(np.asarray(fn(put_sharded(mesh, shards))).reshape(2, -1), shards, "float32")
+      resident.append(_resident_bytes())
+  assert resident[-1] - resident[1] < 38 << 20, [r >> 20 for r in resident[::10]]  # less than half a channel
 
 
 def test_a_compiled_executable_raises_not_prepared_after_release_and_is_right_once_prepared_again(cpu_mesh):

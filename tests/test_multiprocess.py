@@ -52,6 +52,10 @@ def test_payloads_at_the_capacity_and_at_the_lamport_window_run_right(multiproce
   check_capacity_edge(multiprocess("capacity_edge", 2))
 
 
+def test_a_failed_execution_across_processes_leaves_later_calls_right(multiprocess):
+  assert multiprocess("after_failure", 2) == [{"checked": True}] * 2
+
+
 def test_the_fused_op_across_processes_matches_float64_with_identical_bits(multiprocess):
   results = multiprocess("residual_rmsnorm", 2, "--communicator", json.dumps({"poison_outputs": True}))
   from mp_workers import FUSED_CASES
@@ -124,9 +128,20 @@ def test_a_failed_preparation_on_one_process_makes_all_raise_with_nothing_mapped
   assert results[0]["hash"] == results[1]["hash"]  # and the channel prepares fine afterwards
 
 
+def test_throwaway_channels_in_a_loop_reuse_the_memory_of_the_first_across_processes(multiprocess):
+  for r in multiprocess("reuse_cycles", 2, "--cycles", "100", hard_timeout=300):
+    assert r["mapped"][0] > 0 and r["mapped"] == [r["mapped"][0]] * 100, r
+
+
+def test_a_process_that_dies_preparing_leaves_no_shared_memory_name(multiprocess):
+  survivor, _ = multiprocess("dies_preparing", 2, "--setup-timeout", "2", killed=(1,))
+  assert survivor["message"] and "timed out" in survivor["message"], survivor
+  assert survivor["left"] == [], survivor
+
+
 def test_a_process_that_never_joins_gives_the_others_the_timeout_error(multiprocess):
   waiting, _ = multiprocess("never_joins", 2, "--setup-timeout", "2")
-  assert re.search(r"prepare/cpu/alone/.*step 'allocated' timed out after 2 s in process 0: process 1 did not "
+  assert re.search(r"prepare/cpu/alone/.*step 'reusable' timed out after 2 s in process 0: process 1 did not "
                    r"report.*every process of the group must make the same calls", waiting["message"]), waiting
   assert waiting["seconds"] < 10 and waiting["mapped"] == []
 

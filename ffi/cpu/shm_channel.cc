@@ -90,7 +90,20 @@ class ShmGroup final : public SharedGroup {
 
   // The segments stay mapped; the names only served the exchange. Unlinked
   // now, nothing is left in /dev/shm if a process dies later.
-  void opened_everywhere() override { unlink_all(); }
+  void drop_names() override { unlink_all(); }
+
+  // This process's segments as they were created (the imports are peers'
+  // to reset).
+  bool reset() override {
+    for (void* base : exports_) {
+      std::memset(base, 0, lamport_offset_);
+      std::memset(static_cast<char*>(base) + lamport_offset_, kLamportEmptyByte, bytes_ - lamport_offset_);
+    }
+    for (ErrorRecord* record : host_errors_) {
+      if (record != nullptr) *record = ErrorRecord{};
+    }
+    return true;
+  }
 
   void close_imports() override {
     for (void* p : imports_) munmap(p, bytes_);
@@ -151,6 +164,10 @@ class ShmGroup final : public SharedGroup {
 std::unique_ptr<SharedGroup> make_shm_group(const std::string& channel, std::vector<int> ordinals,
                                             const ChannelOptions& options) {
   return std::make_unique<ShmGroup>(channel, std::move(ordinals), options);
+}
+
+void unlink_shm_export(const std::string& exported) {
+  if (exported.rfind("/b12x.", 0) == 0 && exported.find('/', 1) == std::string::npos) shm_unlink(exported.c_str());
 }
 
 }  // namespace b12x

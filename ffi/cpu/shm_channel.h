@@ -17,4 +17,9 @@ namespace b12x {
 std::unique_ptr<SharedGroup> make_shm_group(const std::string& channel, std::vector<int> ordinals,
                                             const ChannelOptions& options);
 
+// Unlinks the shared-memory name of a peer's export (a failed preparation:
+// the peer may have died holding it); names that are not b12x_jax's are
+// left alone.
+void unlink_shm_export(const std::string& exported);
+
 }  // namespace b12x

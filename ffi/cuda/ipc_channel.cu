@@ -97,6 +97,23 @@ class IpcGroup final : public SharedGroup {
     imports_.clear();
   }
 
+  // This process's rank as allocated (its device idle first); the peers
+  // reset theirs.
+  bool reset() override {
+    static const int fill[kRegions] = {0, 0, kLamportEmptyByte};
+    const size_t bytes[kRegions] = {sizeof(Signal), views_[local_].layout.total_bytes(),
+                                    views_[local_].lamport_layout.lamport_region_bytes()};
+    DeviceGuard guard;
+    B12X_CUDA_CHECK(cudaSetDevice(ordinals_[local_]));
+    B12X_CUDA_CHECK(cudaDeviceSynchronize());
+    for (int region = 0; region < kRegions; ++region) {
+      if (exports_[region] != nullptr) B12X_CUDA_CHECK(cudaMemset(exports_[region], fill[region], bytes[region]));
+    }
+    B12X_CUDA_CHECK(cudaDeviceSynchronize());
+    *host_errors_[local_] = ErrorRecord{};
+    return true;
+  }
+
   uint32_t read_calls(int rank) const override {
     return read_device_calls(ordinals_[rank], static_cast<const Signal*>(exports_[kSignals]), rank, world());
   }
