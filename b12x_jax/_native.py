@@ -9,7 +9,7 @@ import threading
 
 import jax
 
-from b12x_jax import _b12x
+from b12x_jax import _b12x, _compat
 from b12x_jax.errors import ChannelError, CollectiveTimeoutError, TransportError
 
 _registered = False
@@ -36,6 +36,14 @@ def ensure_registered() -> None:
         continue
       for name, capsule in targets.items():
         jax.ffi.register_ffi_target(name, capsule, platform=platform)
+    for backend in ("cpu", "gpu"):  # a call's placement compares them (ffi/channel.h Placement)
+      try:
+        devices = jax.local_devices(backend=backend)
+      except RuntimeError:
+        continue
+      for device in devices:
+        if device.platform in platforms():
+          _b12x.set_device_id(device.platform, _compat.device_ordinal(device), device.id)
     _registered = True
 
 

@@ -227,6 +227,10 @@ NB_MODULE(_b12x, m) {
      "The call tag of the fused op on `rows` rows of `row_bytes` of `dtype` over `grid` blocks at `site` "
      "(ffi/rmsnorm.h RowsPlan::tag).");
 
+  m.def("set_device_id", [](const std::string& platform, int ordinal, int id) {
+    set_device_id(parse_platform(platform), ordinal, id);
+  }, nb::arg("platform"), nb::arg("ordinal"), nb::arg("id"),
+        "Registers the global id of this process's device `ordinal` (ffi/registry.h device_id).");
   m.def("name_site", [](uint32_t site, const std::string& name) { name_site(site, name); }, nb::arg("site"),
         nb::arg("name"), "Names a call site for error messages (ffi/registry.h name_site).");
 

@@ -52,7 +52,8 @@ B12X_HD bool operator==(const CallTag& a, const CallTag& b) {
 
 enum class Op : uint32_t { kAllReduce = 1, kResidualRmsnorm = 2, kDcpA2a = 3 };
 
-// A call's sites are 31-bit hashes; flags are the op's (dcp.h: the lse base).
+// A call's sites are 31-bit hashes; flags are the op's (dcp.h: the lse base,
+// bit 0) and the placement's (kMisplacedFlag and the rank, bits 3-6).
 inline constexpr uint32_t kSiteMask = 0x7FFFFFFF;
 inline constexpr uint32_t kMaxTagFlags = 0x7F;
 
@@ -69,6 +70,31 @@ B12X_HD uint32_t tag_op(const CallTag& t) { return t.call & 0xFF; }
 B12X_HD uint32_t tag_dtype(const CallTag& t) { return t.call >> 8 & 0xFF; }
 B12X_HD uint32_t tag_grid(const CallTag& t) { return t.call >> 16 & 0xFF; }
 B12X_HD uint32_t tag_flags(const CallTag& t) { return t.call >> 24 & kMaxTagFlags; }
+
+// Where a call of an exported module runs (docs/DESIGN.md, "Placement"):
+// the id of the device that its lowering put at this device's mesh position
+// (an int32 operand of exported calls, read when the call runs; null in a
+// module lowered for the devices it runs on), and this device's id. A call
+// whose two differ is misplaced: its group attribute names the peers of
+// another device, and no exchange with them may count.
+struct Placement {
+  const int32_t* expected_device;
+  int32_t device;
+};
+
+// A misplaced call's tag carries this flag and its rank, so that it equals
+// no peer's tag: every rank of the group stops with a mismatch naming it,
+// whichever of them are misplaced.
+inline constexpr uint32_t kMisplacedFlag = 0x40;
+B12X_HD bool tag_misplaced(const CallTag& t) { return (t.call >> 24 & kMisplacedFlag) != 0; }
+B12X_HD int tag_misplaced_rank(const CallTag& t) { return static_cast<int>(t.call >> 27 & 7u); }
+static_assert(kMaxRanks <= 8, "a misplaced tag carries its rank in 3 bits");
+B12X_HD CallTag placed_tag(CallTag tag, const Placement& p, int rank) {
+  if (p.expected_device != nullptr && *p.expected_device != p.device) {
+    tag.call |= (kMisplacedFlag | (static_cast<uint32_t>(rank) & 7u) << 3) << 24;
+  }
+  return tag;
+}
 
 // Signal region of one rank. Block b of a call synchronises with block b of
 // every peer through these words only, so blocks never wait on each other

@@ -224,6 +224,26 @@ std::string site_name(uint32_t site) {
   return it == site_names().end() ? std::string() : it->second;
 }
 
+namespace {
+std::mutex device_id_mutex;
+std::unordered_map<int64_t, int>& device_ids() {
+  static auto* ids = new std::unordered_map<int64_t, int>();  // never destroyed: handlers may run at exit
+  return *ids;
+}
+int64_t device_key(Platform platform, int ordinal) { return static_cast<int64_t>(platform) << 32 | static_cast<uint32_t>(ordinal); }
+}  // namespace
+
+void set_device_id(Platform platform, int ordinal, int id) {
+  std::lock_guard lock(device_id_mutex);
+  device_ids()[device_key(platform, ordinal)] = id;
+}
+
+int device_id(Platform platform, int ordinal) {
+  std::lock_guard lock(device_id_mutex);
+  const auto it = device_ids().find(device_key(platform, ordinal));
+  return it == device_ids().end() ? -1 : it->second;
+}
+
 std::string timeout_message(const ChannelGroup& group, int rank) {
   const ErrorRecord& record = group.error_record(rank);
   char text[2048];
@@ -235,6 +255,17 @@ std::string timeout_message(const ChannelGroup& group, int rank) {
                   "after the preparation (a jitted function is traced again by itself; an AOT-compiled one is not).",
                   group.channel().c_str(), record.rank, record.epoch, record.channel_generation,
                   record.channel_generation == 0 ? ": released" : "");
+  } else if (record.kind == kFailureMismatch && (tag_misplaced(record.expected) || tag_misplaced(record.seen))) {
+    const int misplaced = tag_misplaced(record.expected) ? record.rank : record.peer;
+    std::snprintf(text, sizeof(text),
+                  "b12x_jax: channel '%s' rank %d stopped at epoch %u: rank %d runs %s on another device "
+                  "assignment than its module was lowered for (a jax.export module called with its devices at "
+                  "other mesh positions), so its group attribute names other peers than its mesh axis has. No data "
+                  "was mixed; the outputs are NaN and the channel is poisoned: call the module with the devices "
+                  "in the mesh order of its export, or export it again for these devices, then release the "
+                  "channel (Communicator.release) and prepare it again.",
+                  group.channel().c_str(), record.rank, record.epoch, misplaced,
+                  describe(tag_misplaced(record.expected) ? record.expected : record.seen).c_str());
   } else if (record.kind == kFailureMismatch) {
     std::snprintf(text, sizeof(text),
                   "b12x_jax: channel '%s' rank %d expected %s at epoch %u but rank %d was at %s: the ranks run "

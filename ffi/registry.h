@@ -212,6 +212,13 @@ class Registry {
 void name_site(uint32_t site, std::string name);
 std::string site_name(uint32_t site);
 
+// The global id (jax's Device.id) of this process's device `ordinal` of
+// `platform`, as the Python layer registered it with the FFI targets; -1
+// for one it did not. A call of an exported module compares it with the
+// device its module expects there (channel.h Placement).
+void set_device_id(Platform platform, int ordinal, int id);
+int device_id(Platform platform, int ordinal);
+
 // "b12x_jax: channel 'x' rank r timed out ..." for a complete record.
 std::string timeout_message(const ChannelGroup& group, int rank);
 // Set when `rank`'s record is complete: the message for it.

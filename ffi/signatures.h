@@ -5,9 +5,12 @@
 // rvalue reference: its move constructor is private.)
 #pragma once
 
+#include <optional>
 #include <string_view>
 #include <utility>
 
+#include "channel.h"
+#include "registry.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace b12x {
@@ -30,13 +33,29 @@ auto on_channel(Binding&& binding) {
       .template Attr<int32_t>("site");
 }
 
+// The operand exported modules end their operands with (docs/DESIGN.md,
+// "Placement"): int32[], the id of the device the module's lowering put at
+// this device's mesh position. Absent from every other lowering.
+template <class Binding>
+auto placed(Binding&& binding) {
+  return std::move(binding).template OptionalArg<xla::ffi::AnyBuffer>();
+}
+
+// The placement of a call on device `ordinal` of `platform` (channel.h).
+inline Placement placement_of(const std::optional<xla::ffi::AnyBuffer>& expected_device, Platform platform,
+                              int ordinal) {
+  return Placement{expected_device ? static_cast<const int32_t*>(expected_device->untyped_data()) : nullptr,
+                   device_id(platform, ordinal)};
+}
+
 template <class Binding>
 auto all_reduce_signature(Binding&& binding) {
   auto operands = ordered_call(std::move(binding))
-                      .template Arg<xla::ffi::AnyBuffer>()  // x
+                      .template Arg<xla::ffi::AnyBuffer>();  // x
+  auto results = placed(std::move(operands))
                       .template Ret<xla::ffi::Token>()
                       .template Ret<xla::ffi::AnyBuffer>();  // the sum, like x
-  return on_channel(std::move(operands)).template Attr<int32_t>("algorithm");  // above the Lamport window: Algorithm
+  return on_channel(std::move(results)).template Attr<int32_t>("algorithm");  // above the Lamport window: Algorithm
 }
 
 template <class Binding>
@@ -44,22 +63,24 @@ auto residual_rmsnorm_signature(Binding&& binding) {
   auto operands = ordered_call(std::move(binding))
                       .template Arg<xla::ffi::AnyBuffer>()  // x [..., hidden], this rank's partial sum
                       .template Arg<xla::ffi::AnyBuffer>()  // residual, like x
-                      .template Arg<xla::ffi::AnyBuffer>()  // weight [hidden]
+                      .template Arg<xla::ffi::AnyBuffer>();  // weight [hidden]
+  auto results = placed(std::move(operands))
                       .template Ret<xla::ffi::Token>()
                       .template Ret<xla::ffi::AnyBuffer>()   // normed, like x
                       .template Ret<xla::ffi::AnyBuffer>();  // residual_out, like x
-  return on_channel(std::move(operands)).template Attr<float>("eps");
+  return on_channel(std::move(results)).template Attr<float>("eps");
 }
 
 template <class Binding>
 auto dcp_a2a_signature(Binding&& binding) {
   auto operands = ordered_call(std::move(binding))
                       .template Arg<xla::ffi::AnyBuffer>()  // out [B, H, D]
-                      .template Arg<xla::ffi::AnyBuffer>()  // lse [B, H], float32
+                      .template Arg<xla::ffi::AnyBuffer>();  // lse [B, H], float32
+  auto results = placed(std::move(operands))
                       .template Ret<xla::ffi::Token>()
                       .template Ret<xla::ffi::AnyBuffer>()  // merged out [B, H/N, D]
                       .RemainingRets();                     // merged lse [B, H/N], when asked for
-  return on_channel(std::move(operands)).template Attr<bool>("base2").template Attr<bool>("return_lse");
+  return on_channel(std::move(results)).template Attr<bool>("base2").template Attr<bool>("return_lse");
 }
 
 }  // namespace b12x

@@ -411,6 +411,59 @@ def mismatch_mode(args) -> dict:
   return {**result, "kernels": sorted({d.kernel for d in b12x_jax.get_communicator().decisions if d.kernel})}
 
 
+def misplaced_export_mode(args) -> dict:
+  """A jax.export of dcp_a2a on the mesh [d0, d1, ...] (one device per
+  process) called on the mesh in reverse: every device runs at another mesh
+  position than its module was lowered for, so the module's group names
+  the peers of another position (docs/DESIGN.md, "Placement"). Called on
+  its own mesh first, then reversed, then, after release and prepare, on
+  its own mesh again. Returns whether the first and last runs matched full
+  attention on this process's head shard, and run_to_its_error's result of
+  the reversed run."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  from helpers import attention_shards, run_to_its_error
+  comm = _communicator(args, timeout_s=args.timeout, setup_timeout_s=args.timeout, poison_outputs=True)
+  b12x_jax.set_communicator(comm)
+  n, me = jax.device_count(), jax.process_index()
+  exported_on, called_on = Mesh(np.array(jax.devices()), ("x",)), Mesh(np.array(jax.devices()[::-1]), ("x",))
+  batch, per_rank, dim = 2, 2, 64
+  body = lambda o, l: b12x_jax.dcp_a2a(o, l, "x", return_lse=True)  # noqa: E731
+  fn = jax.jit(jax.shard_map(body, mesh=exported_on, in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x"))))
+  specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(exported_on, P("x")))
+           for shape, dtype in (((n * batch, per_rank * n, dim), jnp.bfloat16), ((n * batch, per_rank * n), jnp.float32))]
+  with b12x_jax.channel("misplaced"):
+    exported = jax.export.export(fn, disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("b12x_dcp_a2a")])(
+        *specs)
+  call = jax.jit(exported.call)
+  rng = np.random.default_rng(0)  # the same shards in every process
+
+  def run(mesh):
+    """This process's results on fresh inputs, and what they must be: full
+    attention on the head shard of this device's position in ``mesh``."""
+    outs, lses, want, want_lse = attention_shards(rng, n, batch, per_rank * n, dim, jnp.bfloat16)
+    position = list(mesh.devices.flat).index(jax.local_devices()[0])
+    o, l = (jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), a[position]) for a in (outs, lses))
+    mine = slice(position * per_rank, (position + 1) * per_rank)
+    got, got_lse = (np.asarray(r.addressable_shards[0].data) for r in call(o, l))
+    return got, got_lse, lambda: _assert_head_shard(got, got_lse, outs, want, want_lse, mine)
+
+  *_, check = run(exported_on)
+  check()
+  result = run_to_its_error(lambda: run(called_on)[0], "misplaced")
+  comm.release("misplaced")
+  comm.prepare(exported_on, "x", channels=["misplaced"])
+  *_, check = run(exported_on)
+  check()
+  b12x_jax.check_errors()
+  return {**result, "rank": me}
+
+
 def order_mode(args) -> dict:
   """Channels requested in a different order on each process still pair by name."""
   import jax
@@ -1100,7 +1153,7 @@ def same_program_mode(args) -> dict:
           "rows_filled": [[bool(row.any()) for row in table] for table in tables]}
 
 
-MODES = {"after_failure": after_failure_mode, "reuse_cycles": reuse_cycles_mode, "dies_preparing": dies_preparing_mode,
+MODES = {"after_failure": after_failure_mode, "misplaced_export": misplaced_export_mode, "reuse_cycles": reuse_cycles_mode, "dies_preparing": dies_preparing_mode,
          "capacity_edge": capacity_edge_mode, "loops": loops_mode, "same_program": same_program_mode, "drop_in": drop_in_mode, "all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
          "never_joins": never_joins_mode, "close_twice": close_twice_mode, "throwaway": throwaway_mode,
          "exit_pending": exit_pending_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,

@@ -8,6 +8,7 @@ missing b12x target."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -147,3 +148,71 @@ def test_an_export_for_cuda_takes_the_ffi_kernel_where_triton_would_bake_in_addr
   assert "__gpu$xla.gpu.triton" not in text and "b12x_all_reduce" in text
   assert [d.kernel for d in comm.decisions][:2] == ["triton", "ffi"], comm.decisions
   assert "jax.export: an exported module must not carry this process's channel addresses" in comm.decisions[1].reason
+
+
+# A module called with its devices at other mesh positions than it was
+# exported for (docs/DESIGN.md, "Placement"): its group attribute names the
+# peers of other positions. Seen on 9d8e8da: the sum over "y" instead of "x".
+_MISPLACED = "on another device assignment than its module was lowered for"
+
+
+def _grid_meshes(order):
+  """The 2 x 2 mesh ("y", "x") of CPU devices 0-3, and the one with them in ``order``."""
+  devices = np.array(jax.devices("cpu")[:4])
+  return jax.sharding.Mesh(devices.reshape(2, 2), ("y", "x")), jax.sharding.Mesh(devices[order].reshape(2, 2), ("y", "x"))
+
+
+@pytest.mark.parametrize("order, axis_names", [([0, 2, 1, 3], None), ([2, 3, 0, 1], None), ([0, 3, 2, 1], None),
+                                               ([0, 2, 1, 3], {"x"})])
+def test_an_export_called_with_its_devices_at_other_mesh_positions_stops_with_an_error(cpu_mesh, order, axis_names):
+  # [2, 3, 0, 1] keeps every device's axis group and [0, 3, 2, 1] its index
+  # along "x": only the whole position tells the module's devices apart.
+  cpu_mesh(4)
+  exported_on, called_on = _grid_meshes(order)
+  manual = {} if axis_names is None else {"axis_names": axis_names}
+  spec = P(None, "x") if axis_names else P("y", "x")
+  fn = lambda mesh: jax.jit(jax.shard_map(lambda v: b12x_jax.all_reduce(v, "x"), mesh=mesh, in_specs=spec,  # noqa: E731
+                                          out_specs=spec, **manual))
+  aval = jax.ShapeDtypeStruct((4, 2 * ELEMS), jnp.float32, sharding=NamedSharding(exported_on, spec))
+  rng = np.random.default_rng(5)
+  with fresh_communicator(poison_outputs=True) as comm:
+    with b12x_jax.channel("placed"):
+      exported = jax.export.export(fn(exported_on), disabled_checks=[
+          jax.export.DisabledSafetyCheck.custom_call("b12x_all_reduce")])(aval)
+    call = jax.jit(exported.call)
+    x = rng.standard_normal((4, 2 * ELEMS)).astype(np.float32)
+    want = np.tile(x[:, :ELEMS].astype(np.float64) + x[:, ELEMS:], 2)
+    np.testing.assert_allclose(np.asarray(call(jax.device_put(x, NamedSharding(exported_on, spec)))), want, rtol=1e-6)
+    with pytest.raises(Exception, match=_MISPLACED):
+      np.asarray(call(jax.device_put(x, NamedSharding(called_on, spec))))
+    comm.release("placed")
+    comm.prepare(exported_on, "x", channels=["placed"])
+    x = rng.standard_normal((4, 2 * ELEMS)).astype(np.float32)
+    want = np.tile(x[:, :ELEMS].astype(np.float64) + x[:, ELEMS:], 2)
+    np.testing.assert_allclose(np.asarray(call(jax.device_put(x, NamedSharding(exported_on, spec)))), want, rtol=1e-6)
+
+
+def test_only_an_exported_call_carries_the_placement_operand(cpu_mesh):
+  mesh = cpu_mesh(N)
+  fn = jax.jit(jax.shard_map(lambda v: b12x_jax.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  aval = jax.ShapeDtypeStruct((N * ELEMS,), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+  call = re.compile(r"custom_call @b12x_all_reduce\(.*\} : \(([^)]*)\)")
+  with fresh_communicator(), b12x_jax.channel("placed-hlo"):
+    jitted = call.search(fn.lower(aval).as_text()).group(1)
+    exported = call.search(jax.export.export(fn, disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("b12x_all_reduce")])(aval).mlir_module()).group(1)
+  assert jitted == f"!stablehlo.token, tensor<{ELEMS}xf32>", jitted
+  assert exported == f"!stablehlo.token, tensor<{ELEMS}xf32>, tensor<i32>", exported
+
+
+def test_an_aot_executable_called_on_other_devices_is_refused_by_jax(cpu_mesh):
+  cpu_mesh(N)
+  devices = jax.devices("cpu")[:N]
+  compiled_on, called_on = (jax.sharding.Mesh(np.array(d), ("x",)) for d in (devices, devices[::-1]))
+  fn = jax.jit(jax.shard_map(lambda v: b12x_jax.all_reduce(v, "x"), mesh=compiled_on, in_specs=P("x"),
+                             out_specs=P("x")))
+  x = np.random.default_rng(6).standard_normal(N * ELEMS).astype(np.float32)
+  with fresh_communicator(), b12x_jax.channel("placed-aot"):
+    compiled = fn.lower(jax.device_put(x, NamedSharding(compiled_on, P("x")))).compile()
+    with pytest.raises(ValueError, match="compiled for input shardings that disagree"):
+      compiled(jax.device_put(x, NamedSharding(called_on, P("x"))))

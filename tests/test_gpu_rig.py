@@ -15,7 +15,8 @@ import pytest
 
 from mp_workers import FUSED_CASES
 from test_multiprocess import (ALL_REDUCE_CONFIGS, MISMATCHED_CALLS, check_all_reduce_configs, check_capacity_edge,
-                               check_dcp, check_drop_in, check_loops, check_mismatch, check_never_calls,
+                               check_dcp, check_drop_in, check_loops, check_misplaced, check_mismatch,
+                               check_never_calls,
                                dcp_options)
 
 pytestmark = pytest.mark.gpu_rig
@@ -148,6 +149,13 @@ def test_a_rank_that_never_calls_the_triton_kernel_gives_the_others_the_timeout_
   results = gpu_rig("never_calls", n, "--timeout", "2", "--op", op, communicator={"kernels": "triton"})
   check_never_calls(results, "2", "cuda")
   assert all(r["kernels"] == ["triton"] for r in results), results
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_an_export_called_with_its_devices_in_other_positions_stops_every_rank_with_nan(gpu_rig, n):
+  # The exported module takes the FFI kernel whatever `kernels` says (it
+  # must not carry this process's addresses); "triton" proves it.
+  check_misplaced(gpu_rig("misplaced_export", n, "--timeout", "5", communicator={"kernels": "triton"}))
 
 
 @pytest.mark.parametrize("op", sorted(MISMATCHED_CALLS))

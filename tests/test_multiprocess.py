@@ -304,6 +304,24 @@ def test_processes_at_different_calls_on_one_channel_stop_with_the_tag_error(mul
   check_mismatch(multiprocess("mismatch", 2, "--timeout", "5", "--op", op), op)
 
 
+MISPLACED = (r"rank \d+ runs dcp_a2a of \d+ bytes \(bfloat16, [^)]*\) at site 0x[0-9a-f]{8}.* on another device "
+             r"assignment than its module was lowered for")
+
+
+def check_misplaced(results: list[dict]) -> None:
+  """Every process of misplaced_export_mode stopped with the placement
+  error, within its bound, and returned no number."""
+  for r in results:
+    assert r["messages"] and not r["finite"] and r["seconds"] < 30, r
+    assert any(re.search(MISPLACED, m) for m in r["messages"]), r["messages"]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_an_export_called_with_its_devices_in_other_positions_stops_every_process(multiprocess, n):
+  pytest.importorskip("flatbuffers", reason="jax.export needs the flatbuffers package")
+  check_misplaced(multiprocess("misplaced_export", n, "--timeout", "5", hard_timeout=240))
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_independent_calls_on_one_channel_run_in_program_order_across_processes(multiprocess, n):
   for r in multiprocess("independent", n, hard_timeout=240):

@@ -158,15 +158,43 @@ def _lowering(op: str, target: str, fallback: Callable, fallback_path: str) -> C
     if triton is not None:
       token_out, results = token_in, triton(ctx.replace(tokens_in=mlir.TokenSet()), *args)  # no effects inside
     else:
-      token_ctx = ctx.replace(avals_in=(token, *ctx.avals_in), avals_out=(token, *ctx.avals_out))
-      token_out, *results = ffi_rule(token_ctx, token_in, *args, channel_id=channel, group=partition_key(groups),
-                                     site=np.int32(site), **params)
+      avals_in, placement = (token, *ctx.avals_in), []
+      if _compat.lowering_for_export(ctx):
+        avals_in, placement = (*avals_in, _PLACEMENT_AVAL), [placement_operand(ctx)]
+      token_ctx = ctx.replace(avals_in=avals_in, avals_out=(token, *ctx.avals_out))
+      token_out, *results = ffi_rule(token_ctx, token_in, *args, *placement, channel_id=channel,
+                                     group=partition_key(groups), site=np.int32(site), **params)
     if platform == "cuda":
       token_out, *results = _compat.optimization_barrier([token_out, *results])
     ctx.set_tokens_out(mlir.TokenSet({effect: token_out}))
     return results
 
   return rule
+
+
+_PLACEMENT_AVAL = jax.core.ShapedArray((), np.int32)
+
+
+def placement_operand(ctx):
+  """The operand an exported call ends its operands with (docs/DESIGN.md,
+  "Placement"): the id of the device this lowering puts at the mesh
+  position the call runs at, looked up by that position when it runs. The
+  handler compares it with its own device: a module called with its devices
+  at other mesh positions than it was exported for stops with an error on
+  every rank, instead of exchanging with the peers its ``group`` attribute
+  names, which are another axis's there."""
+  names, devices, manual = _compat.mesh_devices(ctx)
+  ids = np.array([d.id for d in devices.flat], np.int32)
+
+  def expected_device():
+    return jnp.asarray(ids)[jax.lax.axis_index(names)]
+
+  if manual != frozenset(names):  # the position on every axis, in a shard_map of them all (as axis_index does)
+    expected_device = jax.shard_map(expected_device, in_specs=(), out_specs=jax.sharding.PartitionSpec(),
+                                    check_vma=False)
+  (value,) = mlir.lower_fun(lambda: [expected_device()], multiple_results=True)(
+      ctx.replace(avals_in=(), avals_out=(_PLACEMENT_AVAL,)))
+  return value
 
 
 def triton_lowering(ctx, op: str, channel: str, groups, platform: str, site: int,

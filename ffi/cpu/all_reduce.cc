@@ -7,6 +7,7 @@
 // the bits are CUDA's.
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string_view>
 
 #include "../all_reduce.h"
@@ -123,7 +124,8 @@ bool supported(ffi::DataType type) {
   return type == ffi::DataType::F32 || type == ffi::DataType::BF16 || type == ffi::DataType::F16;
 }
 
-ffi::Future AllReduceHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+ffi::Future AllReduceHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, std::optional<ffi::AnyBuffer> expected_device,
+                          ffi::Result<ffi::Token>,
                           ffi::Result<ffi::AnyBuffer> y,
                           std::string_view channel_id, std::string_view group, int32_t site, int32_t algorithm) {
   ffi::Promise promise;
@@ -148,13 +150,14 @@ ffi::Future AllReduceHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::Re
     const Plan plan = plan_for(bytes, v.world, static_cast<Algorithm>(algorithm), v);
     submit_host_call(plan.algorithm == Algorithm::kLamport
                          ? make_call<LamportAllReduce>(x.element_type(), handle, promise, plan, site, in, out)
-                         : make_call<BarrierAllReduce>(x.element_type(), handle, promise, plan, site, in, out));
+                         : make_call<BarrierAllReduce>(x.element_type(), handle, promise, plan, site, in, out),
+                     placement_of(expected_device, Platform::kHost, ordinal));
   }
   return future;
 }
 
 ffi::Future ResidualRmsnormHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
-                                ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> normed,
+                                std::optional<ffi::AnyBuffer> expected_device, ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> normed,
                                 ffi::Result<ffi::AnyBuffer> residual_out,
                                 std::string_view channel_id, std::string_view group, int32_t site, float eps) {
   ffi::Promise promise;
@@ -183,7 +186,8 @@ ffi::Future ResidualRmsnormHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, f
       std::memset(res_out, 0xFF, bytes);
     }
     submit_host_call(make_call<ResidualRmsnormCall>(x.element_type(), handle, promise, s, plan, site, eps, in, res, w,
-                                                    out, res_out));
+                                                    out, res_out),
+                     placement_of(expected_device, Platform::kHost, ordinal));
   }
   return future;
 }

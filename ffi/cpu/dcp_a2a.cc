@@ -4,6 +4,7 @@
 // rows and the merge math are those of dcp.h.
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -154,7 +155,8 @@ std::string check_call(const RankHandle& handle, const ffi::AnyBuffer& x, const 
   return {};
 }
 
-ffi::Future DcpA2aHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::AnyBuffer lse, ffi::Result<ffi::Token>,
+ffi::Future DcpA2aHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::AnyBuffer lse,
+                       std::optional<ffi::AnyBuffer> expected_device, ffi::Result<ffi::Token>,
                        ffi::Result<ffi::AnyBuffer> y,
                        ffi::RemainingRets rets, std::string_view channel_id, std::string_view group, int32_t site, bool base2,
                        bool return_lse) {
@@ -177,10 +179,11 @@ ffi::Future DcpA2aHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::AnyBu
   auto* out = static_cast<Pack*>(y->untyped_data());
   if (handle.group->options().poison_outputs) std::memset(out, 0xFF, y->size_bytes());  // NaN everywhere
   const DcpArgs args{s, plan, plan.tag(s, bf16 ? DType::kBF16 : DType::kF16, site), merge, in, in_lse, out, out_lse};
+  const Placement placement = placement_of(expected_device, Platform::kHost, ordinal);
   if (plan.lamport) {
-    submit_host_call(std::make_unique<LamportDcpCall>(handle, promise, args));
+    submit_host_call(std::make_unique<LamportDcpCall>(handle, promise, args), placement);
   } else {
-    submit_host_call(std::make_unique<DcpCall>(handle, promise, args));
+    submit_host_call(std::make_unique<DcpCall>(handle, promise, args), placement);
   }
   return future;
 }

@@ -30,7 +30,7 @@ struct AllPacks {
 class BarrierCall : public HostCall {
  public:
   BarrierCall(RankHandle handle, xla::ffi::Promise promise, const CallTag& tag, int phases)
-      : HostCall(handle, std::move(promise)), tag_(tag), phases_(phases) {}
+      : HostCall(handle, std::move(promise), tag), phases_(phases) {}
 
   int phases() const override { return phases_; }
 
@@ -38,7 +38,7 @@ class BarrierCall : public HostCall {
     if (phase == 0) epoch_ = next_epoch<HostMem>(v, 0);
     stage(v, epoch_, phase);
     for (int peer = 0; peer < v.world; ++peer) {
-      if (exchanges_with(v, peer)) arrive<HostMem>(v, 0, peer, epoch_ + phase, tag_);
+      if (exchanges_with(v, peer)) arrive<HostMem>(v, 0, peer, epoch_ + phase, tag);
     }
   }
 
@@ -46,7 +46,7 @@ class BarrierCall : public HostCall {
     const uint32_t epoch = epoch_ + phase;
     for (int peer = 0; peer < v.world; ++peer) {
       if (!exchanges_with(v, peer)) continue;
-      const auto probe = [&] { return check_arrival<HostMem>(v, 0, peer, epoch, tag_); };
+      const auto probe = [&] { return check_arrival<HostMem>(v, 0, peer, epoch, tag); };
       const PeerState state = poll_peer<HostMem>(v, peer, epoch, deadline, probe);
       if (state != PeerState::kArrived) return state;
     }
@@ -63,7 +63,6 @@ class BarrierCall : public HostCall {
   virtual void done(const ChannelView& v, uint32_t epoch) = 0;
 
  private:
-  CallTag tag_;
   int phases_;
   uint32_t epoch_ = 0;
 };
@@ -76,10 +75,10 @@ class BarrierCall : public HostCall {
 class LamportHostCall : public HostCall {
  public:
   LamportHostCall(RankHandle handle, xla::ffi::Promise promise, const CallTag& tag, size_t n)
-      : HostCall(handle, std::move(promise)), tag_(tag), n_(n) {}
+      : HostCall(handle, std::move(promise), tag), n_(n) {}
 
   void start(const ChannelView& v, int /*phase*/) override {
-    call_ = lamport_begin<HostMem>(v, 0, tag_);
+    call_ = lamport_begin<HostMem>(v, 0, tag);
     lamport_push_header<HostMem>(v, call_);
     push(v);
   }
@@ -117,7 +116,6 @@ class LamportHostCall : public HostCall {
   size_t packs() const { return n_; }
 
  private:
-  CallTag tag_;
   size_t n_;
   LamportCall call_{};
   std::array<size_t, kMaxRanks> landed_{};   // per source: packs seen arrived, from the start

@@ -170,7 +170,10 @@ class ProgressEngine {
 
 }  // namespace
 
-void submit_host_call(std::unique_ptr<HostCall> call) { ProgressEngine::get().submit(std::move(call)); }
+void submit_host_call(std::unique_ptr<HostCall> call, const Placement& placement) {
+  call->tag = placed_tag(call->tag, placement, call->handle.rank);
+  ProgressEngine::get().submit(std::move(call));
+}
 
 bool wait_host_calls(const ChannelGroup* group, double seconds) {
   return ProgressEngine::get().wait_idle(group, seconds);

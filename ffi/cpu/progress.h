@@ -30,7 +30,8 @@ namespace b12x {
 // then polled until every peer is there; `finish` runs after the last.
 class HostCall {
  public:
-  HostCall(RankHandle handle, xla::ffi::Promise promise) : handle(handle), promise(std::move(promise)) {}
+  HostCall(RankHandle handle, xla::ffi::Promise promise, const CallTag& tag)
+      : handle(handle), promise(std::move(promise)), tag(tag) {}
   virtual ~HostCall() = default;
 
   virtual int phases() const { return 1; }
@@ -45,10 +46,12 @@ class HostCall {
 
   RankHandle handle;
   xla::ffi::Promise promise;
+  CallTag tag;  // what every phase announces and checks
 };
 
-// Queues `call` behind the earlier calls of its rank and channel.
-void submit_host_call(std::unique_ptr<HostCall> call);
+// Queues `call` behind the earlier calls of its rank and channel, its tag
+// placed (channel.h Placement: a misplaced call's tag matches no peer's).
+void submit_host_call(std::unique_ptr<HostCall> call, const Placement& placement);
 
 // True once no call of `group` is queued or running on the progress thread;
 // false if none of them finished for `seconds`.

@@ -8,6 +8,7 @@
 // chose.
 #include <cuda_runtime.h>
 
+#include <optional>
 #include <string_view>
 
 #include "../all_reduce.h"
@@ -31,8 +32,10 @@ constexpr int kThreads = 512;
 // failed wait nothing staged may be read (C6).
 template <DType D, bool kPull>
 __global__ void __launch_bounds__(kThreads)
-    one_shot_all_reduce(ChannelView v, Plan plan, CallTag tag, const Pack* __restrict__ in, Pack* __restrict__ out) {
+    one_shot_all_reduce(ChannelView v, Plan plan, CallTag tag, Placement placement, const Pack* __restrict__ in,
+                        Pack* __restrict__ out) {
   const int block = blockIdx.x;
+  tag = placed_tag(tag, placement, v.rank);
   // A failed channel fails fast (C8), leaving NaN, never a stale result.
   const AllReduceBlock b{v, plan, block, next_epoch<CudaMem>(v, block), in, out};
   if (channel_poisoned<CudaMem>(v)) return fill_nan_outputs(b, BlockThreads{});
@@ -45,8 +48,10 @@ __global__ void __launch_bounds__(kThreads)
 // (all_reduce.h: two_shot_*).
 template <DType D>
 __global__ void __launch_bounds__(kThreads)
-    two_shot_all_reduce(ChannelView v, Plan plan, CallTag tag, const Pack* __restrict__ in, Pack* __restrict__ out) {
+    two_shot_all_reduce(ChannelView v, Plan plan, CallTag tag, Placement placement, const Pack* __restrict__ in,
+                        Pack* __restrict__ out) {
   const int block = blockIdx.x;
+  tag = placed_tag(tag, placement, v.rank);
   const AllReduceBlock b{v, plan, block, next_epoch<CudaMem>(v, block), in, out};
   if (channel_poisoned<CudaMem>(v)) return fill_nan_outputs(b, BlockThreads{});
   two_shot_scatter(b, BlockThreads{});
@@ -60,7 +65,9 @@ __global__ void __launch_bounds__(kThreads)
 // in the one-shot kernel, and its own cells of the three buffers.
 template <DType D>
 __global__ void __launch_bounds__(kThreads)
-    lamport_all_reduce(ChannelView v, Plan plan, CallTag tag, const Pack* __restrict__ in, Pack* __restrict__ out) {
+    lamport_all_reduce(ChannelView v, Plan plan, CallTag tag, Placement placement, const Pack* __restrict__ in,
+                       Pack* __restrict__ out) {
+  tag = placed_tag(tag, placement, v.rank);
   const Slice s = block_slice(blockIdx.x, plan.per_block, plan.packs);
   const bool done = lamport_exchange<kThreads>(v, tag, in + s.lo, s.n, [&](size_t i, const Pack* staged) {
     out[s.lo + i] = sum_in_rank_order<D>(staged, v.world);
@@ -69,26 +76,27 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <DType D>
-void launch(const Plan& plan, uint32_t site, cudaStream_t stream, const ChannelView& v, const Pack* in, Pack* out) {
+void launch(const Plan& plan, uint32_t site, const Placement& placement, cudaStream_t stream, const ChannelView& v,
+            const Pack* in, Pack* out) {
   const CallTag tag = plan.tag(D, site);
   switch (plan.algorithm) {
     case Algorithm::kLamport:
-      lamport_all_reduce<D><<<plan.grid, kThreads, 0, stream>>>(v, plan, tag, in, out);
+      lamport_all_reduce<D><<<plan.grid, kThreads, 0, stream>>>(v, plan, tag, placement, in, out);
       break;
     case Algorithm::kOneShot:
-      one_shot_all_reduce<D, false><<<plan.grid, kThreads, 0, stream>>>(v, plan, tag, in, out);
+      one_shot_all_reduce<D, false><<<plan.grid, kThreads, 0, stream>>>(v, plan, tag, placement, in, out);
       break;
     case Algorithm::kPull:
-      one_shot_all_reduce<D, true><<<plan.grid, kThreads, 0, stream>>>(v, plan, tag, in, out);
+      one_shot_all_reduce<D, true><<<plan.grid, kThreads, 0, stream>>>(v, plan, tag, placement, in, out);
       break;
     case Algorithm::kTwoShot:
-      two_shot_all_reduce<D><<<plan.grid, kThreads, 0, stream>>>(v, plan, tag, in, out);
+      two_shot_all_reduce<D><<<plan.grid, kThreads, 0, stream>>>(v, plan, tag, placement, in, out);
       break;
   }
 }
 
 ffi::Error AllReduceCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::AnyBuffer x,
-                         ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y,
+                         std::optional<ffi::AnyBuffer> expected_device, ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y,
                          std::string_view channel_id, std::string_view group, int32_t site, int32_t algorithm) {
   const RankLease handle = Registry::get().lease(Platform::kCuda, channel_id, group, ordinal);
   if (!handle) return ffi::Error::InvalidArgument(unprepared_message("all_reduce", channel_id, ordinal));
@@ -110,15 +118,16 @@ ffi::Error AllReduceCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::
   }
   const Plan plan = plan_for(bytes, v.world, static_cast<Algorithm>(algorithm), v);
   const auto* in = static_cast<const Pack*>(x.untyped_data());
+  const Placement placement = placement_of(expected_device, Platform::kCuda, ordinal);
   switch (x.element_type()) {
     case ffi::DataType::F32:
-      launch<DType::kF32>(plan, site, stream, v, in, out);
+      launch<DType::kF32>(plan, site, placement, stream, v, in, out);
       break;
     case ffi::DataType::BF16:
-      launch<DType::kBF16>(plan, site, stream, v, in, out);
+      launch<DType::kBF16>(plan, site, placement, stream, v, in, out);
       break;
     case ffi::DataType::F16:
-      launch<DType::kF16>(plan, site, stream, v, in, out);
+      launch<DType::kF16>(plan, site, placement, stream, v, in, out);
       break;
     default:
       return ffi::Error::InvalidArgument("b12x_jax.all_reduce: dtype must be float32, bfloat16 or float16");

@@ -4,6 +4,7 @@
 // protocol.h, on the rows and math of dcp.h.
 #include <cuda_runtime.h>
 
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -103,8 +104,10 @@ __device__ void merge_block(const ChannelView& v, const DcpShape& s, int lo, int
 // on each other.
 template <DType D>
 __global__ void __launch_bounds__(kThreads)
-    dcp_a2a_kernel(ChannelView v, DcpShape s, DcpPlan plan, CallTag tag, const Pack* __restrict__ in,
-                   const float* __restrict__ in_lse, Pack* __restrict__ out, float* __restrict__ out_lse) {
+    dcp_a2a_kernel(ChannelView v, DcpShape s, DcpPlan plan, CallTag tag, Placement placement,
+                   const Pack* __restrict__ in, const float* __restrict__ in_lse, Pack* __restrict__ out,
+                   float* __restrict__ out_lse) {
+  tag = placed_tag(tag, placement, v.rank);
   const int block = blockIdx.x;
   const int row_packs = s.row_packs;
   const int lo = block * plan.per_block;
@@ -147,8 +150,10 @@ __global__ void __launch_bounds__(kThreads)
 // are until this block's next call.
 template <DType D>
 __global__ void __launch_bounds__(kThreads)
-    dcp_a2a_lamport_kernel(ChannelView v, DcpShape s, DcpPlan plan, CallTag tag, const Pack* __restrict__ in,
-                           const float* __restrict__ in_lse, Pack* __restrict__ out, float* __restrict__ out_lse) {
+    dcp_a2a_lamport_kernel(ChannelView v, DcpShape s, DcpPlan plan, CallTag tag, Placement placement,
+                           const Pack* __restrict__ in, const float* __restrict__ in_lse, Pack* __restrict__ out,
+                           float* __restrict__ out_lse) {
+  tag = placed_tag(tag, placement, v.rank);
   const int lo = blockIdx.x * plan.per_block;
   const int n = min(plan.per_block, s.rows() - lo);  // >= 1: the plan's grid covers the rows exactly
   const auto part = [&](int dest, size_t i) { return dcp_lamport_pack(s, in, in_lse, dest, lo, n, i); };
@@ -178,7 +183,7 @@ int want_grid(const DcpShape& s) {
 }
 
 ffi::Error DcpA2aCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::AnyBuffer lse,
-                      ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y, ffi::RemainingRets rets,
+                      std::optional<ffi::AnyBuffer> expected_device, ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y, ffi::RemainingRets rets,
                       std::string_view channel_id, std::string_view group, int32_t site, bool base2,
                       bool return_lse) {
   const RankLease handle = Registry::get().lease(Platform::kCuda, channel_id, group, ordinal);
@@ -209,8 +214,9 @@ ffi::Error DcpA2aCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::Any
   const bool bf16 = x.element_type() == ffi::DataType::BF16;
   const auto kernel = plan.lamport ? (bf16 ? dcp_a2a_lamport_kernel<DType::kBF16> : dcp_a2a_lamport_kernel<DType::kF16>)
                                    : (bf16 ? dcp_a2a_kernel<DType::kBF16> : dcp_a2a_kernel<DType::kF16>);
-  kernel<<<plan.grid, kThreads, 0, stream>>>(v, s, plan, plan.tag(s, bf16 ? DType::kBF16 : DType::kF16, site), in,
-                                            in_lse, out, out_lse);
+  kernel<<<plan.grid, kThreads, 0, stream>>>(v, s, plan, plan.tag(s, bf16 ? DType::kBF16 : DType::kF16, site),
+                                            placement_of(expected_device, Platform::kCuda, ordinal), in, in_lse, out,
+                                            out_lse);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
     return ffi::Error::Internal(std::string("b12x_jax.dcp_a2a: kernel launch failed: ") + cudaGetErrorString(err));

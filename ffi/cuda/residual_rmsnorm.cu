@@ -4,6 +4,7 @@
 // cost one launch.
 #include <cuda_runtime.h>
 
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -48,10 +49,11 @@ __device__ __forceinline__ float block_sum(float x) {
 // row is normalised.
 template <DType D>
 __global__ void __launch_bounds__(kThreads)
-    residual_rmsnorm_kernel(ChannelView v, RowsShape s, RowsPlan plan, CallTag tag, float eps,
+    residual_rmsnorm_kernel(ChannelView v, RowsShape s, RowsPlan plan, CallTag tag, Placement placement, float eps,
                             const Pack* __restrict__ in,
                             const Pack* __restrict__ residual, const Pack* __restrict__ weight,
                             Pack* __restrict__ normed, Pack* __restrict__ residual_out) {
+  tag = placed_tag(tag, placement, v.rank);
   const int first = blockIdx.x * plan.rows_per_block;
   const int rows = first < s.rows ? min(plan.rows_per_block, s.rows - first) : 0;
   const size_t lo = static_cast<size_t>(first) * s.row_packs;
@@ -78,7 +80,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 ffi::Error ResidualRmsnormCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::AnyBuffer x,
-                               ffi::AnyBuffer residual, ffi::AnyBuffer weight, ffi::Result<ffi::Token>,
+                               ffi::AnyBuffer residual, ffi::AnyBuffer weight,
+                               std::optional<ffi::AnyBuffer> expected_device, ffi::Result<ffi::Token>,
                                ffi::Result<ffi::AnyBuffer> normed,
                                ffi::Result<ffi::AnyBuffer> residual_out, std::string_view channel_id,
                                std::string_view group, int32_t site, float eps) {
@@ -103,8 +106,10 @@ ffi::Error ResidualRmsnormCuda(cudaStream_t stream, int32_t ordinal, ffi::Token,
   const auto* in = static_cast<const Pack*>(x.untyped_data());
   const auto* res = static_cast<const Pack*>(residual.untyped_data());
   const auto* w = static_cast<const Pack*>(weight.untyped_data());
+  const Placement placement = placement_of(expected_device, Platform::kCuda, ordinal);
   const auto launch = [&](auto kernel, DType dtype) {
-    kernel<<<plan.grid, kThreads, 0, stream>>>(v, s, plan, plan.tag(s, dtype, site), eps, in, res, w, out, res_out);
+    kernel<<<plan.grid, kThreads, 0, stream>>>(v, s, plan, plan.tag(s, dtype, site), placement, eps, in, res, w, out,
+                                               res_out);
   };
   switch (x.element_type()) {
     case ffi::DataType::F32:
