@@ -193,6 +193,7 @@ class Communicator:
     # every process gives it, and the records of each kind exchanged for it (exchange_records).
     self._preparations: dict[tuple[str, str, str, tuple[int, ...]], str] = {}
     self._records: dict[tuple[str, str], dict[int, bytes]] = {}
+    self._agreed: set[str] = set()  # channels whose settings every process agreed on (_agree)
     self._closed = False
     self.generation = next(_generations)  # tells communicators apart in jit's cache key
     self._releases = 0
@@ -217,6 +218,8 @@ class Communicator:
     says it is faster); ``detail`` is added to the reason of a b12x path,
     and so is ``kernel`` (choose_kernel's kind and why), whose kind the
     decision records."""
+    if axis_size > jax.local_device_count():  # the group spans processes, whichever path each takes
+      self._agree(channel)
     name = np.dtype(dtype).name
     staged = nbytes if staged_bytes is None else staged_bytes
     if self.policy == "psum":
@@ -240,6 +243,16 @@ class Communicator:
       reason = "inside the b12x window" + "".join(f"; {part}" for part in (detail, why) if part)
       return self.record(Decision(op, channel, "b12x", reason, kernel=kind))
     return self.outside_window(op, channel, reason, fix, fallback)
+
+  def _agree(self, channel: str) -> None:
+    """Once per channel: this process's settings against every other's
+    (rendezvous.agree), before its first call on the channel takes a path."""
+    with self._lock:
+      if channel in self._agreed:
+        return
+    rendezvous.agree(channel, self._settings(), range(jax.process_count()), self.setup_timeout_s)
+    with self._lock:
+      self._agreed.add(channel)
 
   def choose_kernel(self, op: str, why_no_triton: str | None) -> tuple[str, str]:
     """The kernel kind of a b12x call by ``kernels``, and why: "triton"

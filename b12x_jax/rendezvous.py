@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import os
 import socket
 import struct
@@ -77,6 +78,32 @@ class Settings:
   kernels: str = dataclasses.field(metadata={"fix": _SAME_COMMUNICATOR.format("kernels")})
 
 
+def check_agreement(channel: str, settings: dict[int, Settings]) -> None:
+  """Raises ChannelError naming the first setting on which the processes
+  (process -> its Settings) disagree, every process's value of it, and
+  the fix. Every process that checks the same table raises the same."""
+  for field in dataclasses.fields(Settings):
+    values = {p: getattr(s, field.name) for p, s in sorted(settings.items())}
+    if len(set(values.values())) > 1:
+      held = ", ".join(f"process {p} has {field.name}={v!r}" for p, v in values.items())
+      raise ChannelError(f"b12x_jax: channel {channel!r}: the processes of a group must agree on every setting "
+                         f"that changes the protocol or the path of a call, but {held}: {field.metadata['fix']}")
+
+
+def agree(channel: str, settings: Settings, processes: Sequence[int], timeout_s: float) -> None:
+  """The settings of every process of ``processes`` before a call on
+  ``channel`` whose group spans them takes a path (Communicator.choose_path,
+  at trace time): processes that disagree, also where one takes the psum
+  path and prepares nothing, all raise the same ChannelError
+  (check_agreement) instead of meeting at different collectives; a process
+  that does not trace the call within ``timeout_s`` makes the others raise
+  CollectiveTimeoutError. The n-th agreement on a channel in every process
+  is one session: every process traces the same program."""
+  session = Session(f"agree/{channel}", processes, timeout_s)
+  words = session.gather("settings", json.dumps(dataclasses.asdict(settings)).encode())
+  check_agreement(channel, {p: Settings(**json.loads(w)) for p, w in words.items()})
+
+
 @dataclasses.dataclass(frozen=True)
 class Frame:
   """What rank ``rank`` of a channel, held by process ``process`` on host
@@ -132,14 +159,7 @@ class Frame:
       if want != got:
         raise ChannelError(f"b12x_jax: channel {self.channel!r}: rank {rank}'s {field} is {got!r}, rank "
                            f"{self.rank}'s is {want!r}; make the Communicator the same in every process")
-    for field in dataclasses.fields(Settings):
-      want, got = getattr(self.settings, field.name), getattr(peer.settings, field.name)
-      if want != got:
-        values = sorted([(self.process, want), (peer.process, got)])
-        held = ", ".join(f"process {p} has {field.name}={v!r}" for p, v in values)
-        raise ChannelError(f"b12x_jax: channel {self.channel!r}: the processes of a group must agree on every "
-                           f"setting that changes the protocol or the path of a call, but {held}: "
-                           f"{field.metadata['fix']}")
+    check_agreement(self.channel, {self.process: self.settings, peer.process: peer.settings})
 
   def check_layout(self, peer: Frame, rank: int) -> None:
     """Raises ChannelError if rank ``rank``'s memory layout differs from this rank's."""
