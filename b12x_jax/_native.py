@@ -42,8 +42,9 @@ def ensure_registered() -> None:
       except RuntimeError:
         continue
       for device in devices:
-        if device.platform in platforms():
-          _b12x.set_device_id(device.platform, _compat.device_ordinal(device), device.id)
+        platform = _compat.platform_of([device])  # "cuda" for a CUDA device, whose Device.platform is "gpu"
+        if platform in platforms():
+          _b12x.set_device_id(platform, _compat.device_ordinal(device), device.id)
     _registered = True
 
 
