@@ -5,6 +5,8 @@ b12x_jax errors."""
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import threading
 
 import jax
@@ -12,6 +14,43 @@ import jax
 from b12x_jax import _b12x, _compat
 from b12x_jax.errors import ChannelError, CollectiveTimeoutError, TransportError
 
+def ffi_api_mismatch(built: tuple[int, int], built_jaxlib: str, runtime: tuple[int, int] | None,
+                     runtime_jaxlib: str) -> str | None:
+  """Why XLA would refuse this extension's FFI handlers, or None: a runtime
+  takes handlers of its own FFI API major version and a minor up to its own
+  (docs/DESIGN.md, "Build"). ``runtime`` None (no headers to read) passes."""
+  if runtime is None or (built[0] == runtime[0] and built[1] <= runtime[1]):
+    return None
+  return (f"b12x_jax: the extension was built against jaxlib {built_jaxlib} (XLA FFI API {built[0]}.{built[1]}), "
+          f"which this jaxlib {runtime_jaxlib} (XLA FFI API {runtime[0]}.{runtime[1]}) refuses. Reinstall b12x_jax "
+          f"with build isolation (pip install --force-reinstall --no-cache-dir .), which builds against the oldest "
+          f"supported jaxlib's headers that every supported jaxlib accepts, or build it with "
+          f"--no-build-isolation in a venv with this jaxlib.")
+
+
+def _runtime_ffi_api() -> tuple[int, int] | None:
+  """The XLA FFI API version of the running jaxlib, from the C API header it
+  ships; None where it ships none."""
+  import jaxlib.version
+  header = os.path.join(os.path.dirname(jaxlib.version.__file__), "include", "xla", "ffi", "api", "c_api.h")
+  try:
+    with open(header, encoding="utf-8") as f:
+      text = f.read()
+  except OSError:
+    return None
+  found = [re.search(rf"^#define XLA_FFI_API_{part} (\d+)", text, re.M) for part in ("MAJOR", "MINOR")]
+  return None if None in found else (int(found[0].group(1)), int(found[1].group(1)))
+
+
+def _check_ffi_api() -> None:
+  import jaxlib.version
+  problem = ffi_api_mismatch(tuple(_b12x.ffi_api_version()), _b12x.built_jaxlib, _runtime_ffi_api(),
+                             jaxlib.version.__version__)
+  if problem:
+    raise ImportError(problem)
+
+
+_check_ffi_api()
 _registered = False
 _register_lock = threading.Lock()
 # Device groups whose peer access passed its probe, per process.

@@ -6,10 +6,14 @@ IPC; start MPS first for speed), a progress report and a bar chart."""
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import re
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 # A process that fails makes its peers fail within their timeouts; past this
@@ -49,15 +53,49 @@ def launch_or_join(args) -> None:
   jax.distributed.initialize(args.coordinator, num_processes=args.processes, process_id=args.process_id,
                              local_device_ids=[0 if args.shared_gpu else args.process_id],
                              initialization_timeout=120)
+  atexit.register(_shut_down)  # runs before JAX's own exit handler, registered earlier
+
+
+def _shut_down() -> None:
+  """At exit, in an order that logs no error: b12x's channels are released
+  collectively while the key-value store is up, then every process leaves
+  jax.distributed together (its shutdown is a barrier), so no process
+  watches a coordinator that is gone."""
+  import jax
+
+  import b12x_jax
+  b12x_jax.get_communicator().close()
+  jax.distributed.shutdown()
+
+
+# What jax.distributed and Gloo log on every run, which says nothing about the example.
+_NOISE = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks|WatchTasksAsync failed|"
+                    r"Additional GRPC error information|:UNAVAILABLE:failed to connect")
+
+
+def _forward(stream, out) -> None:
+  for line in stream:
+    if not _NOISE.search(line):
+      out.write(line)
+      out.flush()
 
 
 def _launch(n: int) -> int:
+  """Starts the n processes; shows process 0's output, without the noise,
+  and another process's stderr only if it failed."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   command = [sys.executable, *sys.argv, "--coordinator", f"127.0.0.1:{port}", "--process-id"]
-  procs = [subprocess.Popen(command + [str(i)], stdout=None if i == 0 else subprocess.DEVNULL, env=os.environ)
-           for i in range(n)]
+  logs = [tempfile.TemporaryFile("w+") for _ in range(1, n)]
+  env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # process 0's lines in the order it wrote them
+  procs = [subprocess.Popen(command + ["0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)]
+  procs += [subprocess.Popen(command + [str(i)], stdout=subprocess.DEVNULL, stderr=logs[i - 1], env=env)
+            for i in range(1, n)]
+  forwards = [threading.Thread(target=_forward, args=(stream, out), daemon=True)
+              for stream, out in ((procs[0].stdout, sys.stdout), (procs[0].stderr, sys.stderr))]
+  for thread in forwards:
+    thread.start()
   failed_at = None
   while any(p.poll() is None for p in procs):
     if failed_at is None and any(p.poll() for p in procs):
@@ -66,8 +104,27 @@ def _launch(n: int) -> int:
       for p in procs:
         p.kill()
     time.sleep(0.2)
+  for thread in forwards:
+    thread.join()
+  for i, (proc, log) in enumerate(zip(procs[1:], logs), start=1):
+    if proc.returncode:
+      log.seek(0)
+      print(f"process {i} exited {proc.returncode}:\n{log.read()[-3000:]}", file=sys.stderr)
   codes = [p.returncode for p in procs]
   return next((code for code in codes if code), 0)
+
+
+def path_label(kind: str, decisions) -> tuple[str, str | None]:
+  """The label of the row (or column) of a b12x variant ``kind`` whose calls
+  made ``decisions``, by the paths they really took: ``kind`` where every
+  call took b12x; else the paths taken, marked with a star, and the note
+  that says why (the operator's B12X_JAX_POLICY=psum, a call outside the
+  window)."""
+  paths = sorted({d.path for d in decisions})
+  if paths == ["b12x"]:
+    return kind, None
+  other = next(d for d in decisions if d.path != "b12x")
+  return "+".join(paths) + "*", f"* {kind}'s b12x_jax calls took the {'/'.join(paths)} path: {other.reason}"
 
 
 class Progress:

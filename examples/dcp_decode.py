@@ -230,7 +230,7 @@ def main() -> None:
   merges = [m for m in MERGES if not (args.shared_gpu and m == "all_to_all")
             and not (devices[0].platform != "gpu" and m == "b12x-triton")]  # Pallas Triton has no CPU path
   progress = _runner.Progress(len(merges) * (1 + args.repeats))
-  seconds = {}
+  seconds, labels, notes = {}, {merge: merge for merge in merges}, []
   for merge in merges:
     if merge == "b12x-triton":  # a Communicator of its own: the channels of the first are released
       b12x_jax.get_communicator().close()
@@ -238,24 +238,29 @@ def main() -> None:
     cache = [global_array(x, by_position) for x in (k_cache, v_cache)]  # donated: a fresh copy per merge
     out, lse, seconds[merge] = run(mesh, merge, steps_in, *cache, lengths_in, progress)
     if merge.startswith("b12x"):
-      decision = [d for d in b12x_jax.get_communicator().decisions if d.op == "dcp_a2a"][-1]
-      label = "" if merge == "b12x" else f" of {merge}"
-      print(f"dcp_a2a path{label}: {decision.path}, the {decision.kernel} kernel ({decision.reason})")
+      decisions = [d for d in b12x_jax.get_communicator().decisions if d.op == "dcp_a2a"]
+      labels[merge], note = _runner.path_label(merge, decisions[-1:])
+      notes += [note] if note else []
+      kernel = f", the {decisions[-1].kernel} kernel" if decisions[-1].kernel else ""
+      print(f"dcp_a2a path{'' if merge == 'b12x' else f' of {merge}'}: {decisions[-1].path}{kernel} "
+            f"({decisions[-1].reason})")
     if merge == "none":
       continue  # each rank's own partials: not the attention
     out_err, lse_err = relative_error(out, want_out), relative_error(lse, want_lse)
     if not (out_err < 2e-2 and lse_err < 1e-4):
       sys.exit(f"{merge}: relative error out {out_err:.1e}, lse {lse_err:.1e} vs float64 full attention "
                f"(bounds 2e-2 and 1e-4)")
-    print(f"{merge:12s}: {seconds[merge] * 1e6:9.1f} us per decode step; relative error over {steps} steps: "
-          f"out {out_err:.1e}, lse {lse_err:.1e}")
+    print(f"{labels[merge]:12s}: {seconds[merge] * 1e6:9.1f} us per decode step; relative error over {steps} "
+          f"steps: out {out_err:.1e}, lse {lse_err:.1e}")
   print(f"{'no merge':12s}: {seconds['none'] * 1e6:9.1f} us per decode step (each rank's own partials: timing only)")
   for merge in merges[:-1]:
-    print(f"merge share of a step ({merge}): {1 - seconds['none'] / seconds[merge]:.0%}")
+    print(f"merge share of a step ({labels[merge]}): {1 - seconds['none'] / seconds[merge]:.0%}")
   if "all_to_all" in seconds:
-    print(f"all_to_all / b12x: {seconds['all_to_all'] / seconds['b12x']:.2f}x per decode step")
+    print(f"all_to_all / {labels['b12x']}: {seconds['all_to_all'] / seconds['b12x']:.2f}x per decode step")
   else:
     print("all_to_all not timed: NCCL cannot run between processes that share one GPU (--shared-gpu)")
+  for note in notes:
+    print(note)
   if devices[0].platform == "cpu":
     print(CPU_TIMINGS)
   if args.plot:

@@ -520,15 +520,21 @@ def main() -> None:
   # Each variant's generation (checked below) and a round's time, and a
   # round's time with no collective (the share of the collectives).
   gen, rounds, kernels, host_loop = {}, {}, {}, {}
+  labels, notes = {kind: kind for kind in kinds}, []
   for kind in kinds:
     if kind == "b12x-triton":  # a Communicator of its own: the channels of the first are released
       comm.close()
       b12x_jax.set_communicator(b12x_jax.Communicator(kernels="triton"))
     gen[kind] = time_variant(mesh, kind, target, draft, prompt, progress)
     b12x_jax.check_errors()
+    if kind.startswith("b12x"):  # the paths its calls took (B12X_JAX_POLICY=psum: psum)
+      decisions = [d for d in b12x_jax.get_communicator().decisions if d.channel in ("target", "draft")]
+      labels[kind], note = _runner.path_label(kind, decisions)
+      notes += [note] if note else []
     if kind == "b12x":  # its channels' epochs: b12x calls completed
-      epochs = {ch: comm.stats(ch, local)["epoch"] for ch in ("target", "draft")}
-      paths = sorted({f"{d.op} {d.path}" for d in comm.decisions if d.channel in ("target", "draft")})
+      prepared = comm.prepared_channels()
+      epochs = {ch: comm.stats(ch, local)["epoch"] if ch in prepared else 0 for ch in ("target", "draft")}
+      paths = sorted({f"{d.op} {d.path}" for d in decisions})
     rounds[kind] = time_variant(mesh, kind, target, draft, prompt, progress, REPLAY_ROUNDS)
     b12x_jax.check_errors()
     if args.host_loop:
@@ -563,7 +569,7 @@ def main() -> None:
   def row(label: str, values, fmt: str) -> None:
     print(f"{label:36s}" + "".join(f"{v:{fmt}}" for v in values))
 
-  row("", kinds, ">13s")
+  row("", [labels[k] for k in kinds], ">13s")
   row("ms per token (latency)", [gen[k].seconds / args.new_tokens * 1e3 for k in kinds], "13.3f")
   row("tokens/s", [args.batch * args.new_tokens / gen[k].seconds for k in kinds], "13.1f")
   if host_loop:
@@ -578,11 +584,16 @@ def main() -> None:
   print(f"collectives per token: {(target_calls + draft_calls) / args.new_tokens:.1f} b12x calls, counted from the "
         f"model: per forward pass {fused} all_reduce_residual_rmsnorm + {plain} all_reduce in the target, "
         f"{draft_fused} + {draft_plain} in the draft; {b12x.rounds} rounds of {args.k} draft passes + 1 target pass")
-  print(f"b12x channel epochs per generation: target {epochs['target'] / generations:.0f}, draft "
-        f"{epochs['draft'] / generations:.0f} (the model's count: {target_calls} and {draft_calls})")
+  if any(epochs.values()):
+    print(f"b12x channel epochs per generation: target {epochs['target'] / generations:.0f}, draft "
+          f"{epochs['draft'] / generations:.0f} (the model's count: {target_calls} and {draft_calls})")
+  else:
+    print("b12x channel epochs: none (no call took the b12x path)")
   print(f"paths taken by the b12x calls (comm.decisions): {', '.join(paths)}")
   for kind, taken in kernels.items():
-    print(f"kernels of {kind}: {', '.join(taken)}")
+    print(f"kernels of {kind}: {', '.join(taken) or 'none (no call took the b12x path)'}")
+  for note in notes:
+    print(note)
   print(f"acceptance {b12x.accepted / (b12x.rounds * args.k):.0%} ({b12x.accepted}/{b12x.rounds * args.k} "
         f"draft tokens), {args.new_tokens / b12x.rounds:.2f} tokens per round")
   if devices[0].platform == "cpu":

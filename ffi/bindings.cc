@@ -2,6 +2,7 @@
 // preparation, release and inspection calls the Python layer makes before
 // and after executions (never during one).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -164,6 +165,10 @@ NB_MODULE(_b12x, m) {
 #endif
     return out;
   }, "FFI handler capsules by XLA platform name, then target name.");
+
+  m.def("ffi_api_version", [] { return std::make_pair(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR); },
+        "The XLA FFI API version of the headers this extension was built against.");
+  m.attr("built_jaxlib") = B12X_BUILT_JAXLIB;  // the jaxlib whose headers those were (CMakeLists.txt)
 
   m.def("has_cuda", [] {
 #if defined(B12X_WITH_CUDA)

@@ -88,3 +88,36 @@ def test_examples_name_the_bad_argument(name, args, message):
   proc = run_example(name, *args, timeout=60.0)
   assert proc.returncode != 0
   assert message in proc.stderr, proc.stderr[-2000:]
+
+
+SMALL = {"quickstart.py": (), "speculative_decoding.py": ("--layers", "2", "--new-tokens", "8", "--repeats", "1"),
+         "dcp_decode.py": ("--steps", "2", "--repeats", "1")}
+# Under B12X_JAX_POLICY=psum every b12x call takes its fallback: what each example says about it.
+PSUM_LINES = {"quickstart.py": [r"channel target : max relative error \S+, path psum",
+                                r"channel target : no b12x call \(policy 'psum' forces the psum path\)"],
+              "speculative_decoding.py": [r"^ +psum\* +psum$", r"^\* b12x's b12x_jax calls took the psum path: "
+                                                               r"policy 'psum' forces the psum path$"],
+              "dcp_decode.py": [r"^all_to_all\* +: ", r"^\* b12x's b12x_jax calls took the all_to_all path"]}
+
+
+@pytest.mark.parametrize("policy", ["psum", "strict"])
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_every_example_runs_under_the_operators_policy_and_labels_the_path_taken(name, policy):
+  proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, name), *SMALL[name]], capture_output=True, text=True,
+                        timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu", "B12X_JAX_POLICY": policy,
+                                          "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  assert proc.stdout.rstrip().endswith("OK"), proc.stdout
+  for line in PSUM_LINES[name]:  # psum: every call took it; strict: none did
+    assert bool(re.search(line, proc.stdout, re.M)) == (policy == "psum"), (line, proc.stdout)
+  assert "None kernel" not in proc.stdout, proc.stdout
+
+
+def test_two_processes_show_process_0s_output_once_without_the_runtime_noise():
+  proc = run_example("dcp_decode.py", "--processes", "2", "--steps", "2", "--repeats", "1", devices=1, timeout=300.0)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  both = proc.stdout + proc.stderr
+  for noise in ("[Gloo]", "WatchTasks", "GRPC", "Connection refused"):
+    assert noise not in both, both
+  assert proc.stdout.count("mesh: 2 x cpu in 2 processes") == 1, proc.stdout
+  assert len(re.findall(r"\[1/\d+, [\d.]+ s\] b12x: compiled and run", proc.stderr)) == 1, proc.stderr
