@@ -129,7 +129,7 @@ def platform_of(devices: Sequence) -> str:
   return "rocm" if "rocm" in version else "cuda"
 
 
-# -- jax.distributed key-value store (DESIGN §3) ----------------------------------
+# -- jax.distributed key-value store (docs/DESIGN.md, "Transports") ----------------------------------
 # jax 0.11 and 0.12 reach the coordination service's key-value store only through the
 # private client in ``jax._src.distributed.global_state``. These go when JAX
 # exposes a public key-value API.

@@ -51,6 +51,13 @@ def _check_ffi_api() -> None:
 
 
 _check_ffi_api()
+# What the native layer is built with (ffi/channel.h, ffi/all_reduce.h):
+# the ranks of a channel, its largest grid, the payload granularity, and
+# the all_reduce algorithms' codes (the custom call's `algorithm`).
+MAX_RANKS: int = _b12x.constants["max_ranks"]
+MAX_BLOCKS: int = _b12x.constants["max_blocks"]
+PACK_BYTES: int = _b12x.constants["pack_bytes"]
+ALGORITHMS: dict[str, int] = dict(_b12x.constants["algorithms"])
 _registered = False
 _register_lock = threading.Lock()
 # Device groups whose peer access passed its probe, per process.
@@ -64,7 +71,7 @@ def platforms() -> tuple[str, ...]:
 
 def ensure_registered() -> None:
   """Registers the FFI targets with XLA, once, after the backends exist
-  (registering before can break the CPU backend's start: DESIGN §4)."""
+  (registering before can break the CPU backend's start: docs/DESIGN.md, "Build")."""
   global _registered
   with _register_lock:
     if _registered:

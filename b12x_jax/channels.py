@@ -1,7 +1,7 @@
 """Channel scopes: which channel a traced collective belongs to.
 
 A channel is one totally ordered sequence of collectives with its own signal
-counters and staging memory (DESIGN §2). Its name is taken from the
+counters and staging memory (DESIGN C1-C3). Its name is taken from the
 innermost ``with channel(name):`` scope active while a function is traced,
 and attached to the custom call as the static attribute ``channel_id``.
 

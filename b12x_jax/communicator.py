@@ -48,7 +48,7 @@ _SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 # A bound on timeouts: "wait forever" is what the bound exists to rule out
 # (and the native layer counts nanoseconds in 64 bits).
 _MAX_TIMEOUT_S = 1e6
-PACK_BYTES = 16
+PACK_BYTES = _native.PACK_BYTES
 # Communicator.decisions keeps the last this many (one per traced call).
 MAX_DECISIONS = 1024
 
@@ -160,8 +160,8 @@ class Communicator:
                          f"got {policy!r}")
     if policy not in _POLICIES:
       raise ValueError(f"Communicator: policy must be one of {_POLICIES}, got {policy!r}")
-    if max_blocks is not None and (not _is_int(max_blocks) or not 1 <= max_blocks <= 64):
-      raise ValueError(f"Communicator: max_blocks must be in [1, 64] or None, got {max_blocks!r}")
+    if max_blocks is not None and (not _is_int(max_blocks) or not 1 <= max_blocks <= _native.MAX_BLOCKS):
+      raise ValueError(f"Communicator: max_blocks must be in [1, {_native.MAX_BLOCKS}] or None, got {max_blocks!r}")
     if algorithm not in _ALGORITHMS:
       raise ValueError(f"Communicator: algorithm must be one of {_ALGORITHMS}, got {algorithm!r}")
     if not _is_int(lamport_bytes) or lamport_bytes < 0 or lamport_bytes % PACK_BYTES:
@@ -233,9 +233,9 @@ class Communicator:
     elif staged > self.capacity_bytes:
       reason = f"{arg} stages {staged} bytes per source, which exceeds capacity_bytes={self.capacity_bytes}"
       fix = f"Raise Communicator(capacity_bytes=...) or {shrink or f'split {arg} into smaller calls'}"
-    elif axis_size > 8:
-      reason = f"the axis has {axis_size} devices, more than the 8 ranks a channel serves"
-      fix = "Use an axis of at most 8 devices"
+    elif axis_size > _native.MAX_RANKS:
+      reason = f"the axis has {axis_size} devices, more than the {_native.MAX_RANKS} ranks a channel serves"
+      fix = f"Use an axis of at most {_native.MAX_RANKS} devices"
     elif prefer_fallback is not None and self.policy == "auto":
       return self.record(Decision(op, channel, fallback, prefer_fallback))
     else:

@@ -1,5 +1,5 @@
 """Exchanges between the processes of one channel group, through the
-``jax.distributed`` key-value store (DESIGN §3, C4, C11).
+``jax.distributed`` key-value store (docs/DESIGN.md, "Transports"; C4, C11).
 
 Two things travel: a ``Frame`` per rank, the versioned binary record of
 what a peer needs to open that rank's memory (CUDA IPC handles, a

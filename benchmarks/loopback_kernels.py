@@ -5,7 +5,7 @@ buffers, polls, sum, refill), so both kernel kinds are timed in one run.
 
 Each measurement is one executable of `--ops` chained all_reduces (each
 consumes the previous result) of float32 or bfloat16, the median per op
-over `--iters` runs (b12x_jax.tuning.per_op_us). Before timing, every size
+over `--iters` runs (b12x_jax.calibration.per_op_us). Before timing, every size
 and dtype is checked: the result of a loopback all_reduce is its input, bit
 for bit, and the epoch advances once per call; then FFI and Triton calls
 interleave on one channel (float32 takes the Triton kernel, float16 the

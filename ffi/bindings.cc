@@ -166,6 +166,20 @@ NB_MODULE(_b12x, m) {
     return out;
   }, "FFI handler capsules by XLA platform name, then target name.");
 
+  // The native facts the Python layer plans with (b12x_jax/_native.py),
+  // read from here rather than restated.
+  nb::dict algorithms;
+  algorithms["one_shot"] = static_cast<uint32_t>(Algorithm::kOneShot);
+  algorithms["two_shot"] = static_cast<uint32_t>(Algorithm::kTwoShot);
+  algorithms["one_shot_pull"] = static_cast<uint32_t>(Algorithm::kPull);
+  algorithms["lamport"] = static_cast<uint32_t>(Algorithm::kLamport);
+  nb::dict constants;
+  constants["max_ranks"] = kMaxRanks;
+  constants["max_blocks"] = kMaxBlocks;
+  constants["pack_bytes"] = kPackBytes;
+  constants["algorithms"] = algorithms;
+  m.attr("constants") = constants;
+
   m.def("ffi_api_version", [] { return std::make_pair(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR); },
         "The XLA FFI API version of the headers this extension was built against.");
   m.attr("built_jaxlib") = B12X_BUILT_JAXLIB;  // the jaxlib whose headers those were (CMakeLists.txt)

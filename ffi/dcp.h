@@ -1,4 +1,4 @@
-// The DCP merge (DESIGN §1), shared by the CPU and CUDA backends: which rows
+// The DCP merge, shared by the CPU and CUDA backends: which rows
 // a rank sends where, how they sit in a staging cell, and the merge math.
 //
 // Rank r holds out [B, H, D] and lse [B, H] over its KV shard, for all heads;

@@ -1,4 +1,4 @@
-// A channel group spread over processes (DESIGN §3: one process per GPU).
+// A channel group spread over processes (docs/DESIGN.md, "Transports": one process per GPU).
 //
 // The Python layer prepares it in steps and ends each with a collective
 // verdict (communicator.py): construct (allocate, zero-fill, export the local

@@ -131,7 +131,7 @@ $PY benchmarks/all_reduce.py --sizes $((1<<20)),$((4<<20)),$((8<<20)),$((16<<20)
 
 echo "== calibration (one-shot / two-shot / psum crossovers, stored under \$OUT/cache)"
 B12X_JAX_CACHE="$OUT/cache" $PY -c '
-import jax, b12x_jax.tuning as t
+import jax, b12x_jax.calibration as t
 mesh = jax.make_mesh((2,), ("x",), devices=jax.devices("gpu")[:2])
 c, times = t.calibrate(mesh, "x", sizes=[1 << k for k in range(20, 27)])
 for s, row in sorted(times.items()):

@@ -1,5 +1,5 @@
 """Worker processes of the multi-process tests: one device per process,
-``jax.distributed`` on 127.0.0.1 (DESIGN §3, C4, C11).
+``jax.distributed`` on 127.0.0.1 (docs/DESIGN.md, "Transports"; C4, C11).
 
 Run as ``python tests/mp_workers.py MODE --process-id I --num-processes N
 --port P [--platform cpu|gpu|gpu_rig] [--communicator JSON]``; every

@@ -1,6 +1,6 @@
 """One process per device with jax.distributed, on the CPU backend (POSIX
 shared memory between processes): the same preparation, rendezvous and
-teardown code as CUDA IPC on GPUs (DESIGN §3, C4, C11). Each test runs 2
+teardown code as CUDA IPC on GPUs (docs/DESIGN.md, "Transports"; C4, C11). Each test runs 2
 worker processes (tests/mp_workers.py) with a hard timeout."""
 
 from __future__ import annotations

@@ -57,3 +57,15 @@ def test_dcp_example_prints_the_note_next_to_cpu_timings():
                                                  "JAX_PLATFORMS": "cpu"})  # the example's own 2 devices
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "timings measure the emulation" in proc.stdout
+
+
+def test_an_extension_the_runtime_would_refuse_is_named_at_import_with_both_versions():
+  from b12x_jax import _b12x, _native
+  assert _native.ffi_api_mismatch(tuple(_b12x.ffi_api_version()), _b12x.built_jaxlib, _native._runtime_ffi_api(),
+                                  "this") is None  # the build CI tests runs here
+  message = _native.ffi_api_mismatch((0, 5), "0.12.0.1", (0, 4), "0.11.2")
+  assert "built against jaxlib 0.12.0.1 (XLA FFI API 0.5)" in message and "jaxlib 0.11.2 (XLA FFI API 0.4)" in message
+  assert "pip install --force-reinstall" in message
+  assert _native.ffi_api_mismatch((0, 4), "0.11.2", (0, 5), "0.12.0.1") is None  # newer runtimes take older handlers
+  assert _native.ffi_api_mismatch((1, 0), "x", (0, 9), "y") is not None and \
+      _native.ffi_api_mismatch((0, 4), "x", None, "y") is None

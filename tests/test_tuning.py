@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import b12x_jax
-from b12x_jax import tuning
+from b12x_jax import calibration, tuning
 from helpers import assert_sum_matches, fresh_communicator, random_shards
 
 MiB = 1 << 20
@@ -26,9 +26,9 @@ def test_crossovers_start_where_the_challenger_wins_at_every_larger_size():
       8 * MiB: {"one_shot": 80, "two_shot": 70, "psum": 75},
       16 * MiB: {"one_shot": 160, "two_shot": 140, "psum": 130},
   }
-  assert tuning.crossovers_from(times) == (8 * MiB, 16 * MiB)
+  assert calibration.crossovers_from(times) == (8 * MiB, 16 * MiB)
   never = {s: {"one_shot": 1, "two_shot": 2, "psum": 3} for s in (MiB, 2 * MiB)}
-  assert tuning.crossovers_from(never) == (None, None)
+  assert calibration.crossovers_from(never) == (None, None)
 
 
 def test_per_op_us_warms_up_for_its_runs_and_seconds_then_takes_the_median_per_op():
@@ -42,7 +42,7 @@ def test_per_op_us_warms_up_for_its_runs_and_seconds_then_takes_the_median_per_o
     return np.zeros(1)
 
   begin = time.perf_counter()
-  us = tuning.per_op_us(run, ops=4, iters=5, warmup=2, warmup_s=0.1)
+  us = calibration.per_op_us(run, ops=4, iters=5, warmup=2, warmup_s=0.1)
   warm, timed = spans[:-5], spans[-5:]
   assert len(warm) >= 2 and warm[-1][1] - begin >= 0.1, (len(warm), warm[-1][1] - begin)
   assert us == pytest.approx(np.median([end - start for start, end in timed]) / 4 * 1e6, rel=0.2), us
@@ -92,7 +92,7 @@ def test_every_algorithm_lowers_its_attribute_and_gives_the_same_bits_on_the_hos
 def test_calibrate_measures_stores_and_is_read_back(cpu_mesh, tmp_path, monkeypatch):
   monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path))
   mesh = cpu_mesh(2)
-  crossover, times = tuning.calibrate(mesh, "x", sizes=(4096, 8192), ops=2, iters=2)
+  crossover, times = calibration.calibrate(mesh, "x", sizes=(4096, 8192), ops=2, iters=2)
   assert set(times) == {4096, 8192} and all(set(t) == {"one_shot", "two_shot", "psum"} for t in times.values())
   assert all(v > 0 for t in times.values() for v in t.values())
   stored = tuning.crossover_for(mesh.devices.flat[0].device_kind, 2)

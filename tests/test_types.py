@@ -1,4 +1,4 @@
-"""The types b12x calls infer inside shard_map (DESIGN §1: a drop-in for
+"""The types b12x calls infer inside shard_map (DESIGN C19: a drop-in for
 psum): the varying manual axes of every result are those of the psum / jnp
 equivalent, so ``check_vma`` accepts and rejects the same ``out_specs``."""
 

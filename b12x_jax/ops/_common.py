@@ -65,8 +65,7 @@ def call_site(op: str) -> int:
   return site
 
 
-# Largest grid of a channel (ffi/channel.h kMaxBlocks).
-MAX_BLOCKS = 64
+MAX_BLOCKS = _native.MAX_BLOCKS  # largest grid of a channel
 
 
 def channel_blocks(max_blocks: int | None) -> int:

@@ -48,7 +48,7 @@ _PEER_LAMPORT, _PEER_SIGNAL = 8, 24  # + 2 * peer: (low, high) words
 # the plan, as processes may set setup_timeout_s apart and must still lower
 # one program.
 _TIMEOUT, _FIRST_TIMEOUT = 40, 41
-_ALGORITHM_LAMPORT = 3  # ffi/channel.h Algorithm::kLamport
+_ALGORITHM_LAMPORT = _native.ALGORITHMS["lamport"]
 # The largest block one program takes (it holds every source's words of it).
 MAX_TILE_WORDS = 8192
 # The fused op's rows over several programs (row_split): a row of at least

@@ -1,4 +1,4 @@
-"""all_reduce: sum over a mesh axis, one-shot or two-shot (DESIGN §1, §2)."""
+"""all_reduce: sum over a mesh axis, one-shot or two-shot."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad
 
-from b12x_jax import _compat, tuning
+from b12x_jax import _compat, _native, tuning
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import PACK_BYTES, get_communicator
 from b12x_jax.ops import _triton_lamport
@@ -16,7 +16,7 @@ from b12x_jax.ops._common import axis_size, call_site, collective_primitive, reg
 _OP = "all_reduce"
 _TARGET = "b12x_all_reduce"
 # The `algorithm` attribute of the custom call (ffi/cuda/all_reduce.cu).
-_ALGORITHM_CODES = {"one_shot": 0, "two_shot": 1, "one_shot_pull": 2}
+_ALGORITHM_CODES = {name: _native.ALGORITHMS[name] for name in ("one_shot", "two_shot", "one_shot_pull")}
 # Leaves of a pytree that may share one call (the dtypes of the b12x path).
 _PACKED_DTYPES = ("float32", "bfloat16", "float16")
 

@@ -1,4 +1,4 @@
-"""dcp_a2a: the DCP merge of partial attention over a mesh axis (DESIGN §1, §2)."""
+"""dcp_a2a: the DCP merge of partial attention over a mesh axis."""
 
 from __future__ import annotations
 

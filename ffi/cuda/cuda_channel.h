@@ -13,7 +13,7 @@ namespace b12x {
 // Enables peer access between every pair and checks it for real: a kernel on
 // each GPU writes into and reads from every peer's memory. Returns an empty
 // string when all of it worked, else what failed (drivers and VMs can report
-// P2P that does not work: DESIGN §3).
+// P2P that does not work: docs/DESIGN.md, "Transports").
 std::string probe_peer_access(const std::vector<int>& ordinals);
 
 // The largest grid a group on `ordinals` (this process's devices) uses:

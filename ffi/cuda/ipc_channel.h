@@ -1,5 +1,5 @@
 // Channel memory on GPUs of different processes, reached through CUDA IPC
-// (DESIGN §3: one process per GPU, handles exchanged by the Python layer).
+// (docs/DESIGN.md, "Transports": one process per GPU, handles exchanged by the Python layer).
 #pragma once
 
 #include <memory>
