@@ -5,12 +5,13 @@ Public API (re-exports only; see each module for the contracts).
 
 from b12x_jax._version import __version__
 from b12x_jax.channels import DEFAULT_CHANNEL, channel, current_channel, is_strict, set_strict
-from b12x_jax.communicator import Communicator, Decision, check_errors, get_communicator, set_communicator
+from b12x_jax.communicator import Communicator, check_errors, get_communicator, set_communicator
 from b12x_jax.errors import (B12xError, ChannelError, CollectiveTimeoutError, IneligibleError,
                              TransportError, short_errors)
 from b12x_jax.ops.all_reduce import all_reduce
 from b12x_jax.ops.dcp_a2a import dcp_a2a
 from b12x_jax.ops.residual_rmsnorm import all_reduce_residual_rmsnorm
+from b12x_jax.policy import Decision
 
 
 __all__ = [

@@ -12,7 +12,7 @@ import os
 import re
 
 import b12x_jax
-from b12x_jax import _b12x, _native, communicator
+from b12x_jax import _b12x, _native, policy
 from b12x_jax.ops import _common, _triton_lamport
 from b12x_jax.ops import all_reduce as all_reduce_module
 
@@ -105,7 +105,7 @@ def test_the_native_constants_python_plans_with_are_the_extensions():
   constants = _b12x.constants
   assert (_native.MAX_RANKS, _native.MAX_BLOCKS, _native.PACK_BYTES) == (8, 64, 16) == \
       (constants["max_ranks"], constants["max_blocks"], constants["pack_bytes"])
-  assert communicator.PACK_BYTES == _native.PACK_BYTES and _common.MAX_BLOCKS == _native.MAX_BLOCKS
+  assert policy.PACK_BYTES == _native.PACK_BYTES and _common.MAX_BLOCKS == _native.MAX_BLOCKS
   assert all_reduce_module._ALGORITHM_CODES == {k: v for k, v in _native.ALGORITHMS.items() if k != "lamport"}
   assert _triton_lamport._ALGORITHM_LAMPORT == _native.ALGORITHMS["lamport"]
   with open(os.path.join(ROOT, "ffi", "all_reduce.h"), encoding="utf-8") as f:

@@ -13,7 +13,7 @@ import tomllib
 import pytest
 
 import b12x_jax
-from b12x_jax.communicator import MAX_DECISIONS, Decision
+from b12x_jax.policy import MAX_DECISIONS, Decision
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 SCRIPTS = sorted(p for folder in ("examples", "benchmarks") for p in glob.glob(os.path.join(ROOT, folder, "*.py"))

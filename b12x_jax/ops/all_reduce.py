@@ -9,7 +9,8 @@ from jax.interpreters import ad
 
 from b12x_jax import _compat, _native, tuning
 from b12x_jax.channels import resolve_channel
-from b12x_jax.communicator import PACK_BYTES, get_communicator
+from b12x_jax.communicator import get_communicator
+from b12x_jax.policy import PACK_BYTES
 from b12x_jax.ops import _triton_lamport
 from b12x_jax.ops._common import axis_size, call_site, collective_primitive, register_batcher, why_not_a_mesh_axis
 

@@ -9,7 +9,8 @@ from jax.interpreters import batching
 
 from b12x_jax import _compat, _native
 from b12x_jax.channels import resolve_channel
-from b12x_jax.communicator import PACK_BYTES, get_communicator
+from b12x_jax.communicator import get_communicator
+from b12x_jax.policy import PACK_BYTES
 from b12x_jax.ops import _triton_lamport
 from b12x_jax.ops._common import (MAX_BLOCKS, axis_size, batch_size, call_site, channel_blocks, collective_primitive,
                                   differentiate_by_fallback, register_batcher, why_not_a_mesh_axis)
