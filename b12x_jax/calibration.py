@@ -66,17 +66,17 @@ def calibrate(mesh, axis_name: str, sizes: Sequence[int] = tuple(1 << k for k in
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  import b12x_jax
+  from b12x_jax.channels import channel
+  from b12x_jax.communicator import Communicator, get_communicator, set_communicator
   from b12x_jax.ops.all_reduce import all_reduce
 
   world = mesh.shape[axis_name]
   capacity = max(sizes)
   times: dict[int, dict[str, float]] = {size: {} for size in sizes}
   for algorithm in ("one_shot", "two_shot", "psum"):
-    b12x_jax.get_communicator().close()
-    b12x_jax.set_communicator(b12x_jax.Communicator(capacity_bytes=capacity, algorithm=algorithm
-                                                    if algorithm != "psum" else "one_shot",
-                                                    policy="psum" if algorithm == "psum" else "strict"))
+    get_communicator().close()
+    set_communicator(Communicator(capacity_bytes=capacity, algorithm=algorithm if algorithm != "psum" else "one_shot",
+                                  policy="psum" if algorithm == "psum" else "strict"))
 
     def body(x):
       for _ in range(ops):
@@ -86,10 +86,10 @@ def calibrate(mesh, axis_name: str, sizes: Sequence[int] = tuple(1 << k for k in
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis_name), out_specs=P(axis_name), check_vma=False))
     for size in sizes:
       x = jax.device_put(jnp.full((world * size // 2,), 1e-3, jnp.bfloat16), NamedSharding(mesh, P(axis_name)))
-      with b12x_jax.channel("b12x-calibration"):
+      with channel("b12x-calibration"):
         times[size][algorithm] = per_op_us(lambda: fn(x), ops, iters)
-  b12x_jax.get_communicator().close()
-  b12x_jax.set_communicator(b12x_jax.Communicator())
+  get_communicator().close()
+  set_communicator(Communicator())
   two_shot_from, psum_from = crossovers_from(times)
   device_kind = mesh.devices.flat[0].device_kind
   crossover = Crossover(two_shot_from, psum_from, f"calibrated ({cache_path()})")

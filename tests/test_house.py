@@ -112,3 +112,19 @@ def test_the_native_constants_python_plans_with_are_the_extensions():
     enum = re.search(r"enum class Algorithm : uint32_t \{([^}]*)\}", f.read()).group(1)
   assert sorted(int(v) for v in re.findall(r"= (\d+)", enum)) == sorted(_native.ALGORITHMS.values())
   assert b12x_jax.Communicator(max_blocks=_native.MAX_BLOCKS).max_blocks == _native.MAX_BLOCKS
+
+
+def test_the_readmes_layout_lists_every_module_after_the_ones_it_imports():
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    layout = f.read().split("## Layout", 1)[1].split("```")[1]
+  order = []
+  for line in layout.strip().splitlines():
+    first, *others = line.split("  ")[0].split(", ")
+    folder = os.path.dirname(first)
+    order += [first, *(f"{folder}/{name}" for name in others)]
+  names = [_module_name(os.path.join(ROOT, path)) for path in order]
+  graph = import_graph()
+  assert sorted(names) == sorted(graph), sorted(set(graph) ^ set(names))
+  for at, name in enumerate(names):
+    later = set(graph[name]) & set(names[at:])
+    assert not later, f"{name} imports {sorted(later)}, listed after it"
