@@ -9,7 +9,10 @@ over `--iters` runs (b12x_jax.calibration.per_op_us). Before timing, every size
 and dtype is checked: the result of a loopback all_reduce is its input, bit
 for bit, and the epoch advances once per call; then FFI and Triton calls
 interleave on one channel (float32 takes the Triton kernel, float16 the
-FFI one). Then the fused all_reduce + residual + RMSNorm, bfloat16, chained
+FFI one). Beside them, in the same run, two floors: a protocol-free
+exchange of the same bytes launched as the Triton kernel is (stores,
+bounded polls, reset; nothing else), and an FFI call that launches one
+empty kernel. Then the fused all_reduce + residual + RMSNorm, bfloat16, chained
 (each call's normed output and new residual feed the next), on each kernel
 kind, against all_reduce on the same kind followed by the add and the norm
 in jnp, at hidden 4096 and 8192 and 1, 8 and 64 rows (outputs checked
@@ -164,6 +167,102 @@ def time_dcp(mesh, comm, kernels: str, args, rng) -> dict[tuple[int, int, int], 
   return times
 
 
+# -- the floors: what a call costs with no protocol ---------------------------
+
+# A word no random input holds (a NaN's bits): a floor cell not yet written.
+_EMPTY = -1
+_FLOOR_BOUND = 1 << 22  # polls: a floor never hangs
+# Store $3 at ({$1, $2} + $4), or load from there; $5 / $4: a dependency, not read.
+_FLOOR_STORE = ("{ .reg .b64 a; .reg .b64 o; mov.b64 a, {$1, $2}; cvt.u64.u32 o, $4; add.u64 a, a, o; "
+                "st.volatile.global.u32 [a], $3; mov.u32 $0, 0; }")
+_FLOOR_LOAD = ("{ .reg .b64 a; .reg .b64 o; mov.b64 a, {$1, $2}; cvt.u64.u32 o, $3; add.u64 a, a, o; "
+               "ld.volatile.global.u32 $0, [a]; }")
+_scratch: list = []  # the floor's cells, kept alive while executables point at them
+
+
+def exchange_floor(words: int, ops: int):
+  """``ops`` chained protocol-free exchanges of ``words`` int32 words, one
+  pallas_call each, launched as the Triton kernel is (grid of 4 KiB blocks
+  up to 64, as the Lamport plan takes): every program stores its words into
+  cells in device memory, polls them (bounded) until none is empty, resets
+  them and returns what it read, which is its input. No tag, header,
+  generation, error record or counter: the exchange alone."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plt
+
+  if not _scratch:
+    _scratch.append(jnp.full(((1 << 20) // 4 * 4,), _EMPTY, jnp.int32).block_until_ready())
+  base = _scratch[0].unsafe_buffer_pointer()
+  assert words <= _scratch[0].size, words
+  grid = min(64, max(1, words // 1024))
+  block = words // grid
+  warps = max(1, min(4, block // 32))
+  address = jnp.asarray(np.array([base & 0xFFFFFFFF, base >> 32], np.uint32).view(np.int32))
+
+  def asm(code, *args):
+    args = [jnp.broadcast_to(jnp.asarray(a, jnp.int32), (block,)) for a in args]
+    (out,) = plt.elementwise_inline_asm(code, args=args, constraints="=r," + ",".join(["r"] * len(args)), pack=1,
+                                        result_shape_dtypes=[jax.ShapeDtypeStruct((block,), jnp.int32)])
+    return out
+
+  def kernel(address_ref, x_ref, y_ref):
+    lo, hi = address_ref[0], address_ref[1]
+    offsets = (pl.program_id(0) * block + jax.lax.broadcasted_iota(jnp.int32, (block,), 0)) * 4
+    stored = asm(_FLOOR_STORE, lo, hi, x_ref[...], offsets)
+
+    def waiting(carry):
+      bits, polls = carry
+      return jnp.logical_and(jnp.max((bits == _EMPTY).astype(jnp.int32)) > 0, polls < _FLOOR_BOUND)
+
+    def poll(carry):
+      bits, polls = carry
+      return asm(_FLOOR_LOAD, lo, hi, offsets, bits), polls + 1
+
+    bits, _ = jax.lax.while_loop(waiting, poll, (jnp.full((block,), _EMPTY, jnp.int32) + stored, jnp.int32(0)))
+    reset = asm(_FLOOR_STORE, lo, hi, jnp.full((block,), _EMPTY, jnp.int32), offsets + (bits - bits))
+    y_ref[...] = bits + reset
+
+  def one(x):
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(grid,),
+                          in_specs=[pl.BlockSpec((2,), lambda i: (0,)), pl.BlockSpec((block,), lambda i: (i,))],
+                          out_specs=pl.BlockSpec((block,), lambda i: (i,)),
+                          compiler_params=plt.CompilerParams(num_warps=warps, num_stages=1))(address, x)
+
+  def body(x):
+    for _ in range(ops):
+      x = one(x)
+    return x
+  return jax.jit(body)
+
+
+def empty_ffi_call(ops: int):
+  """``ops`` chained FFI calls that each launch one empty kernel, bound as
+  the collectives are (no side effect; the output aliases the input): what
+  XLA charges an FFI call here."""
+  from b12x_jax import _native
+  _native.ensure_registered()
+
+  def body(x):
+    for _ in range(ops):
+      x = jax.ffi.ffi_call("b12x_dispatch_probe", jax.ShapeDtypeStruct(x.shape, x.dtype),
+                           input_output_aliases={0: 0})(x)
+    return x
+  return jax.jit(body)
+
+
+def time_floors(nbytes: int, args, rng) -> dict[str, float]:
+  """us per op of the exchange floor (checked: it returns its input, bit for
+  bit, three times) and of the empty FFI call, at ``nbytes``."""
+  words = nbytes // 4
+  x = jnp.asarray(rng.standard_normal(words).astype(np.float32).view(np.int32))
+  one = exchange_floor(words, 1)
+  for _ in range(3):
+    assert np.array_equal(np.asarray(one(x)), np.asarray(x)), nbytes
+  floor, empty = exchange_floor(words, args.ops), empty_ffi_call(args.ops)
+  return {"floor": per_op_us(lambda: floor(x), args.ops, args.iters),
+          "empty ffi": per_op_us(lambda: empty(x), args.ops, args.iters)}
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -199,11 +298,18 @@ def main() -> None:
         dcp[shape][kernels] = t
     comm.check_errors()
     comm.close()
+  floors = {size: time_floors(size, args, rng) for size in SIZES}
+  for (dtype, size), t in times.items():
+    t.update(floors[size])
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, loopback, {args.ops} chained ops, "
         f"median of {args.iters}")
-  print(f"{'dtype':>9} {'size':>8} {'ffi us':>8} {'triton us':>10} {'ffi - triton':>13}")
+  print("floor: a protocol-free exchange of the same bytes, launched as the Triton kernel; empty ffi: an FFI "
+        "call that launches one empty kernel")
+  print(f"{'dtype':>9} {'size':>8} {'ffi us':>8} {'triton us':>10} {'floor us':>9} {'empty ffi':>10} "
+        f"{'triton-floor':>13} {'ffi-empty':>10}")
   for (dtype, size), t in times.items():
-    print(f"{dtype:>9} {size_label(size):>8} {t['ffi']:8.2f} {t['triton']:10.2f} {t['ffi'] - t['triton']:13.2f}")
+    print(f"{dtype:>9} {size_label(size):>8} {t['ffi']:8.2f} {t['triton']:10.2f} {t['floor']:9.2f} "
+          f"{t['empty ffi']:10.2f} {t['triton'] - t['floor']:13.2f} {t['ffi'] - t['empty ffi']:10.2f}")
   if not args.skip_fused:
     print("\nall_reduce + residual + RMSNorm, bfloat16, us per op (unfused: all_reduce on the same kernel kind, "
           "then jnp)")
@@ -214,9 +320,12 @@ def main() -> None:
             f" {t['unfused triton'] / t['fused triton']:20.2f}x")
   if not args.skip_dcp:
     print("\ndcp_a2a in the Lamport window, bfloat16, us per op")
-    print(f"{'B x H x D':>14} {'ffi us':>8} {'triton us':>10} {'ffi - triton':>13}")
+    print(f"{'B x H x D':>14} {'ffi us':>8} {'triton us':>10} {'ffi - triton':>13} {'floor us':>9} "
+          f"{'triton-floor':>13}")
     for shape, t in dcp.items():
-      print(f"{' x '.join(map(str, shape)):>14} {t['ffi']:8.2f} {t['triton']:10.2f} {t['ffi'] - t['triton']:13.2f}")
+      t.update(time_floors(-(-int(np.prod(shape)) * 2 // 4096) * 4096, args, rng))  # its payload, in 4 KiB
+      print(f"{' x '.join(map(str, shape)):>14} {t['ffi']:8.2f} {t['triton']:10.2f} {t['ffi'] - t['triton']:13.2f} "
+            f"{t['floor']:9.2f} {t['triton'] - t['floor']:13.2f}")
   if args.json:
     with open(args.json, "w") as f:
       json.dump({**{f"{d}/{k}": v for (d, k), v in times.items()},

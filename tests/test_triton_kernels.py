@@ -10,6 +10,7 @@ tests/test_gpu_rig.py)."""
 from __future__ import annotations
 
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +63,31 @@ def test_auto_takes_the_ffi_kernel_off_cuda_and_ffi_is_the_default(cpu_mesh):
       _sum_fn(mesh)(x).block_until_ready()
       assert comm.kernels == kernels and [d.kernel for d in comm.decisions] == ["ffi"], comm.decisions
       assert why is None or why in comm.decisions[0].reason, comm.decisions
+
+
+@pytest.mark.parametrize("kernels", ["auto", "triton"])
+def test_a_jax_without_pallas_triton_gives_every_call_the_ffi_kernel_with_the_reason(cpu_mesh, monkeypatch, kernels):
+  # The day JAX drops the deprecated backend (docs/DESIGN.md, "Triton kernels").
+  from b12x_jax.ops import _triton_lamport
+  monkeypatch.setattr(b12x_jax.communicator.jax, "default_backend", lambda: "gpu")
+  import jax.experimental.pallas
+  monkeypatch.delattr(jax.experimental.pallas, "triton")  # its import fails
+  monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)
+  _triton_lamport.backend_problem.cache_clear()
+  try:
+    problem = _triton_lamport.backend_problem()
+    assert problem is not None and "has no Pallas Triton backend" in problem, problem
+    mesh = cpu_mesh(2)
+    shards = random_shards(np.random.default_rng(7), 2, 1024, np.float32)
+    with fresh_communicator(kernels=kernels) as comm, b12x_jax.channel("no-pallas"):
+      got = np.asarray(_sum_fn(mesh)(put_sharded(mesh, shards))).reshape(shards.shape)
+      assert_sum_matches(got, shards, "float32")
+      assert [d.kernel for d in comm.decisions] == ["ffi"] and problem in comm.decisions[0].reason, comm.decisions
+    with fresh_communicator(kernels="triton", policy="strict"), b12x_jax.channel("no-pallas-strict"):
+      with pytest.raises(b12x_jax.IneligibleError, match="has no Pallas Triton backend"):
+        _sum_fn(mesh)(put_sharded(mesh, shards))
+  finally:
+    _triton_lamport.backend_problem.cache_clear()
 
 
 def test_auto_takes_the_triton_kernel_on_cuda_where_one_exists(monkeypatch):

@@ -128,12 +128,30 @@ class Plan:
 _DTYPES = {"float32": 0x7FC00000, "bfloat16": 0x7FFF7FFF}
 
 
+@functools.cache
+def backend_problem() -> str | None:
+  """Why this jax cannot build the kernels, or None: JAX has deprecated
+  the Pallas Triton backend (docs/DESIGN.md, "Triton kernels"), and the
+  day a jax drops it, every call takes the FFI kernel with this reason
+  (an error under policy "strict" with kernels="triton")."""
+  try:
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+  except ImportError as e:
+    return f"jax {jax.__version__} has no Pallas Triton backend ({e})"
+  missing = [name for module, name in ((pl, "pallas_call"), (pl, "BlockSpec"), (plt, "elementwise_inline_asm"),
+                                       (plt, "CompilerParams")) if not hasattr(module, name)]
+  return f"jax {jax.__version__}'s Pallas Triton backend lacks {', '.join(missing)}" if missing else None
+
+
 def why_not(dtype, nbytes: int, window: int | None) -> str | None:
   """Why no Triton kernel takes this all_reduce or fused call (decided at
   trace time; dcp_a2a's: dcp_problem), or None; ``window``: the Lamport
   window the payload must fit (None: the op checked its own). What only the
   prepared channel knows (its plan) is checked by ``call_for`` when
   lowering."""
+  if backend_problem() is not None:
+    return backend_problem()
   if np.dtype(dtype).name not in _DTYPES:
     return f"no Triton kernel for dtype {np.dtype(dtype).name} (float32 and bfloat16 only)"
   if nbytes % 4:
@@ -192,6 +210,8 @@ def dcp_problem(dtype, heads: int, world: int, row_bytes: int, grid: int, per_bl
   ``grid`` blocks of ``per_block`` rows (``_native.dcp_lamport_plan``), or
   None: it runs that plan where a block's rows are a power of two of one
   batch row's heads, as tiles. Checked at trace time and by call_for."""
+  if backend_problem() is not None:
+    return backend_problem()
   if np.dtype(dtype).name != "bfloat16":
     return f"no Triton kernel for dcp_a2a of dtype {np.dtype(dtype).name} (bfloat16 only)"
   if grid == 0:
