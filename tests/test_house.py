@@ -13,7 +13,8 @@ import re
 
 import b12x_jax
 from b12x_jax import _b12x, _native, policy
-from b12x_jax.ops import _common, _triton_lamport
+from b12x_jax.kernels import exchange
+from b12x_jax.ops import _common
 from b12x_jax.ops import all_reduce as all_reduce_module
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
@@ -107,7 +108,7 @@ def test_the_native_constants_python_plans_with_are_the_extensions():
       (constants["max_ranks"], constants["max_blocks"], constants["pack_bytes"])
   assert policy.PACK_BYTES == _native.PACK_BYTES and _common.MAX_BLOCKS == _native.MAX_BLOCKS
   assert all_reduce_module._ALGORITHM_CODES == {k: v for k, v in _native.ALGORITHMS.items() if k != "lamport"}
-  assert _triton_lamport._ALGORITHM_LAMPORT == _native.ALGORITHMS["lamport"]
+  assert exchange.ALGORITHM_LAMPORT == _native.ALGORITHMS["lamport"]
   with open(os.path.join(ROOT, "ffi", "all_reduce.h"), encoding="utf-8") as f:
     enum = re.search(r"enum class Algorithm : uint32_t \{([^}]*)\}", f.read()).group(1)
   assert sorted(int(v) for v in re.findall(r"= (\d+)", enum)) == sorted(_native.ALGORITHMS.values())

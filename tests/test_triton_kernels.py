@@ -68,14 +68,14 @@ def test_auto_takes_the_ffi_kernel_off_cuda_and_ffi_is_the_default(cpu_mesh):
 @pytest.mark.parametrize("kernels", ["auto", "triton"])
 def test_a_jax_without_pallas_triton_gives_every_call_the_ffi_kernel_with_the_reason(cpu_mesh, monkeypatch, kernels):
   # The day JAX drops the deprecated backend (docs/DESIGN.md, "Triton kernels").
-  from b12x_jax.ops import _triton_lamport
+  from b12x_jax import kernels as device_kernels
   monkeypatch.setattr(b12x_jax.communicator.jax, "default_backend", lambda: "gpu")
   import jax.experimental.pallas
   monkeypatch.delattr(jax.experimental.pallas, "triton")  # its import fails
   monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)
-  _triton_lamport.backend_problem.cache_clear()
+  device_kernels.backend_problem.cache_clear()
   try:
-    problem = _triton_lamport.backend_problem()
+    problem = device_kernels.backend_problem()
     assert problem is not None and "has no Pallas Triton backend" in problem, problem
     mesh = cpu_mesh(2)
     shards = random_shards(np.random.default_rng(7), 2, 1024, np.float32)
@@ -87,7 +87,7 @@ def test_a_jax_without_pallas_triton_gives_every_call_the_ffi_kernel_with_the_re
       with pytest.raises(b12x_jax.IneligibleError, match="has no Pallas Triton backend"):
         _sum_fn(mesh)(put_sharded(mesh, shards))
   finally:
-    _triton_lamport.backend_problem.cache_clear()
+    device_kernels.backend_problem.cache_clear()
 
 
 def test_auto_takes_the_triton_kernel_on_cuda_where_one_exists(monkeypatch):
@@ -203,7 +203,7 @@ _ERROR_WORDS = ("state", "kind", "rank", "peer", "epoch", "peer_gave_up", "first
 
 
 def _plan(max_blocks: int = 64, cell_words: int = 4096):
-  from b12x_jax.ops import _triton_lamport as triton
+  from b12x_jax import kernels as triton
   view = {"world": 2, "loopback": False, "grid": 1, "per_block": 1, "cell_bytes": 4 * cell_words,
           "cells_bytes": 0, "max_blocks": max_blocks, "tag": (1 | 1 << 16, 3, 1, 0), "algorithm": 3,
           "packs": 1, "timeout_ns": 10**9, "first_timeout_ns": 10**9, "poison_grace_ns": 10**6,
@@ -220,7 +220,7 @@ def _plan(max_blocks: int = 64, cell_words: int = 4096):
                                                     (16, 8192, 4), (32, 4096, 2), (64, 4096, 1), (5, 1024, 1),
                                                     (1, 4, 1)])
 def test_the_fused_kernel_runs_a_row_over_programs_of_a_block_each(rows, row_words, split):
-  from b12x_jax.ops import _triton_lamport as triton
+  from b12x_jax import kernels as triton
   plan = triton.rows_plan(_plan(cell_words=8192), rows, 4 * row_words, "float32", 77)
   assert plan.split == split and plan.grid == rows * split and plan.block_words == row_words // split
   # The fused op's tag (ffi/channel.h make_tag): op 2, float32 (0), its grid; lamport and the row's packs;
@@ -234,7 +234,7 @@ def test_the_fused_kernel_runs_a_row_over_programs_of_a_block_each(rows, row_wor
     (3, 1000, "a row of 4000 bytes is not a power of two of 32-bit words"),
     (1, 16384, "a row of 65536 bytes is not a power of two of 32-bit words, or above 8192")])
 def test_the_fused_kernel_says_which_rows_it_cannot_take(rows, row_words, why):
-  from b12x_jax.ops import _triton_lamport as triton
+  from b12x_jax import kernels as triton
   problem = triton.rows_plan(_plan(), rows, 4 * row_words, "float32", 0)
   assert isinstance(problem, str) and why in problem, problem
 
@@ -349,33 +349,33 @@ def _record_inline_asm(monkeypatch) -> list[tuple[int, list]]:
 
 
 def _assert_one_thread_per_polled_element(warps: int, asms: list) -> None:
-  from b12x_jax.ops import _triton_lamport as triton
-  polled = {triton._LOAD, triton._LOAD_IF, triton._CLOCK, triton._LOAD_ACQUIRE, triton._ARRIVE}
+  from b12x_jax import kernels as triton
+  polled = {triton.exchange._LOAD, triton.exchange._LOAD_IF, triton.exchange._CLOCK, triton.exchange._LOAD_ACQUIRE, triton.exchange._ARRIVE}
   shapes = {shape for code, shape in asms if code in polled}
   assert shapes and all(len(shape) == 1 and shape[0] >= 32 * warps for shape in shapes), (warps, shapes)
-  assert {code for code, _ in asms} <= polled | {triton._LOAD_ARRIVED, triton._LOAD_OWN, triton._STORE} | {
+  assert {code for code, _ in asms} <= polled | {triton.exchange._LOAD_ARRIVED, triton.exchange._LOAD_OWN, triton.exchange._STORE} | {
       code for code, _ in asms if "atom.global.cas" in code}
   # Only the block's own Signal words (no one else writes them while it runs), once each, may be one element.
-  assert sum(code == triton._LOAD_OWN for code, _ in asms) == len(triton.OWN_WORDS), asms
+  assert sum(code == triton.exchange._LOAD_OWN for code, _ in asms) == len(triton.exchange.OWN_WORDS), asms
 
 
 def test_a_row_over_several_programs_lowers_with_their_meeting(monkeypatch):
   # Host channels have one block, so the program above never splits a row: the kernel of a
   # 64-block plan, lowered on its own. Each of the 4 programs of the row publishes its share
   # and adds to the row's meeting word (release), waits for the others' (acquire), reads the shares.
-  from b12x_jax.ops import _triton_lamport as triton
+  from b12x_jax import kernels as triton
   plan = triton.rows_plan(_plan(cell_words=8192), 2, 4 * 4096, "bfloat16", 0)
   assert plan.split == 4 and plan.grid == 8
   kernels = _record_inline_asm(monkeypatch)
-  fn = jax.jit(lambda x, r, w, row: triton.residual_rmsnorm(x, r, w, row, plan, eps=1e-6, channel="split",
-                                                            poison=False))
+  fn = jax.jit(lambda x, r, w, row: triton.residual_rmsnorm.residual_rmsnorm(
+      x, r, w, row, plan, eps=1e-6, channel="split", poison=False))
   args = [jax.ShapeDtypeStruct((2, 8192), jnp.bfloat16), jax.ShapeDtypeStruct((2, 8192), jnp.bfloat16),
           jax.ShapeDtypeStruct((8192,), jnp.bfloat16), jax.ShapeDtypeStruct((triton.ROW_WORDS,), jnp.int32)]
   text = lower_for_cuda(fn, args, monkeypatch)
   assert text.count('@__gpu$xla.gpu.triton') == 1 and "grid_x = 8" in text
   ((warps, asms),) = kernels
   codes = [code for code, _ in asms]
-  assert codes.count(triton._ARRIVE) == 1 and codes.count(triton._LOAD_ACQUIRE) == 1
+  assert codes.count(triton.exchange._ARRIVE) == 1 and codes.count(triton.exchange._LOAD_ACQUIRE) == 1
   _assert_one_thread_per_polled_element(warps, asms)
 
 

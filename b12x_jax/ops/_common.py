@@ -205,7 +205,7 @@ def triton_lowering(ctx, op: str, channel: str, groups, platform: str, site: int
   of the prepared channel, gets the other processes' rows
   (Communicator.exchange_records) and bakes the whole table into the
   program; each device picks its row by its mesh position."""
-  from b12x_jax.ops import _triton_lamport as triton
+  from b12x_jax import kernels as triton
 
   comm = get_communicator()
   names, devices, manual = _compat.mesh_devices(ctx)

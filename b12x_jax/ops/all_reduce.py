@@ -11,7 +11,7 @@ from b12x_jax import _compat, _native, tuning
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import get_communicator
 from b12x_jax.policy import PACK_BYTES
-from b12x_jax.ops import _triton_lamport
+from b12x_jax import kernels
 from b12x_jax.ops._common import axis_size, call_site, collective_primitive, register_batcher, why_not_a_mesh_axis
 
 _OP = "all_reduce"
@@ -144,7 +144,7 @@ def _all_reduce_leaf(x: jax.Array, axis_name, axis_index_groups, channel: str | 
   (axis,), (size,) = axes, sizes
   nbytes = x.size * x.dtype.itemsize
   algorithm, why, psum_is_faster = _algorithm(comm, nbytes, size)
-  kernel = comm.choose_kernel(_OP, _triton_lamport.why_not(x.dtype, nbytes, comm.lamport_window))
+  kernel = comm.choose_kernel(_OP, kernels.why_not(x.dtype, nbytes, comm.lamport_window))
   decision = comm.choose_path(_OP, name, nbytes, x.dtype, size, detail=f"{detail}; {why}" if detail else why,
                               prefer_fallback=psum_is_faster, kernel=kernel)
   if decision.path == "psum":

@@ -11,7 +11,7 @@ from b12x_jax import _compat, _native
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import get_communicator
 from b12x_jax.policy import PACK_BYTES
-from b12x_jax.ops import _triton_lamport
+from b12x_jax import kernels
 from b12x_jax.ops._common import (MAX_BLOCKS, axis_size, batch_size, call_site, channel_blocks, collective_primitive,
                                   differentiate_by_fallback, register_batcher, why_not_a_mesh_axis)
 
@@ -133,7 +133,7 @@ def dcp_a2a(out, lse, axis_name: str, *, return_lse: bool = False, lse_base: str
     # In the Lamport window nothing is staged in the barrier protocol's cells.
     # Counted for the largest grid, so the decision is the same on every machine.
     staged = 0 if lamport else _staged_bytes(batch * heads // size, row_bytes, comm.max_blocks or MAX_BLOCKS)
-    kernel = comm.choose_kernel(_OP, _triton_lamport.dcp_problem(out.dtype, heads, size, row_bytes, grid, per_block)
+    kernel = comm.choose_kernel(_OP, kernels.dcp_problem(out.dtype, heads, size, row_bytes, grid, per_block)
                                 if lamport else "the call is outside the Lamport window")
     protocol = ("lamport (the rows fit the channel's Lamport cells)" if lamport else
                 "the barrier protocol (the rows exceed the channel's Lamport cells)")

@@ -12,7 +12,7 @@ from b12x_jax import _compat, _native
 from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import get_communicator
 from b12x_jax.policy import PACK_BYTES, Decision
-from b12x_jax.ops import _triton_lamport
+from b12x_jax import kernels
 from b12x_jax.ops._common import (axis_size, batch_size, call_site, channel_blocks, collective_primitive,
                                   differentiate_by_fallback, register_batcher, why_not_a_mesh_axis)
 from b12x_jax.ops.all_reduce import all_reduce
@@ -89,7 +89,7 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
   bfloat16 rows is a Pallas Triton kernel on CUDA where each row is a power
   of two of at most 8192 32-bit words within one Lamport cell and the rows
   fit the channel's blocks, a row over one block or, where it is large,
-  several (``_triton_lamport.row_split``; docs/DESIGN.md "Triton kernels"); other fused calls take the FFI kernel, recorded in decisions. Over a
+  several (``kernels.row_split``; docs/DESIGN.md "Triton kernels"); other fused calls take the FFI kernel, recorded in decisions. Over a
   ``vmap`` axis name it is unfused, on psum (policy "auto"), or an
   IneligibleError (policy "strict").
   """
@@ -109,8 +109,8 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
   if exchanges and not_a_mesh_axis is not None:
     comm.outside_window(_OP, name, *not_a_mesh_axis, fallback="unfused")
   elif exchanges and why_not is None:
-    kernel = comm.choose_kernel(_OP, _triton_lamport.why_not(x.dtype, x.size * x.dtype.itemsize, None) or
-                                _triton_lamport.rows_problem(rows, row_bytes, cell, grid))
+    kernel = comm.choose_kernel(_OP, kernels.why_not(x.dtype, x.size * x.dtype.itemsize, None) or
+                                kernels.rows_problem(rows, row_bytes, cell, grid))
     decision = comm.choose_path(_OP, name, x.size * x.dtype.itemsize, x.dtype, size, kernel=kernel)
     if decision.path == "b12x":
       normed, new_residual = residual_rmsnorm_p.bind(x, residual, weight, axis_name=axis_name, channel=name,

@@ -1,20 +1,10 @@
-"""all_reduce in the Lamport window, the fused all_reduce + residual +
-RMSNorm and dcp_a2a in the Lamport window as Pallas Triton kernels: XLA
-compiles and launches them itself, as it does a fusion, with no FFI call per
-op (docs/DESIGN.md, "Triton kernels", "DCP in the Lamport window").
-
-The kernels speak the wire protocol of ffi/lamport.h word for word, on the
-channel's own memory: the same cells, headers and empty word, the same call
-tags, the same Signal words (buffer index, call count, packs, served,
-poison), the same plans (all_reduce: grid and packs per block of
-ffi/all_reduce.h plan_for; dcp_a2a: ffi/dcp.h plan_dcp_lamport; the fused
-op: a block per row as ffi/rmsnorm.h plan_rows, or several where a row is
-large, row_split), the same sum in rank order. So Triton and FFI calls
-interleave on one channel in program order. The native layer
-keeps owning the memory; it hands out the addresses
-(``_native.kernel_view``), which the lowering bakes in as constants, one
-row per device (with that device's wait bounds), picked by the device's
-mesh position.
+"""The Lamport exchange the Pallas Triton kernels share (ffi/lamport.h,
+word for word, on the channel's own memory): the plan of a call from the
+channel's kernel view, the address table row of a device, the inline PTX of
+every access to channel memory, and ``lamport_exchange``, one call's
+pushes, bounded polls, tag checks, failure record, refill and advance. The
+op modules (all_reduce.py, residual_rmsnorm.py, dcp_a2a.py) build their
+kernels on it.
 
 Every memory access to channel memory is inline PTX on a raw address. Pallas
 marks inline assembly pure, so the compiler may merge, move or drop it
@@ -29,17 +19,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from b12x_jax import _compat, _native
+from b12x_jax import _native
 
 # Every word is an int32 in the kernel (Pallas Triton mixes signed and
 # unsigned 32-bit tensor types in comparisons): the bits are what counts.
-_U32 = jnp.int32
+U32 = jnp.int32
 # Layout of one device's row of the address table (32-bit words).
 ROW_WORDS = 64
 _RANK, _OWN_SIGNAL, _ERROR, _OWN_LAMPORT, _GENERATION = 0, 1, 3, 5, 7
@@ -48,17 +37,9 @@ _PEER_LAMPORT, _PEER_SIGNAL = 8, 24  # + 2 * peer: (low, high) words
 # the plan, as processes may set setup_timeout_s apart and must still lower
 # one program.
 _TIMEOUT, _FIRST_TIMEOUT = 40, 41
-_ALGORITHM_LAMPORT = _native.ALGORITHMS["lamport"]
+ALGORITHM_LAMPORT = _native.ALGORITHMS["lamport"]
 # The largest block one program takes (it holds every source's words of it).
 MAX_TILE_WORDS = 8192
-# The fused op's rows over several programs (row_split): a row of at least
-# SPLIT_ROW_WORDS words splits, each program keeps at least MIN_SPLIT_WORDS
-# of it, a row takes at most MAX_SPLIT programs. Loopback, one H200, bf16
-# (benchmarks/RESULTS.md): 4096-word rows over 4 programs 0.5-0.8 us faster
-# than over one, 2048-word rows over 2 up to 0.9 us slower (the meeting costs more than it saves).
-SPLIT_ROW_WORDS = 4096
-MIN_SPLIT_WORDS = 1024
-MAX_SPLIT = 4  # measured up to 4
 # The kernel's clock: globaltimer >> 10, about microseconds, in 32 bits
 # (wraps after 73 minutes; waits are bounded below half of that).
 _CLOCK_SHIFT = 10
@@ -76,7 +57,7 @@ CHECK_EVERY = 8
 _LOAD = ("{ .reg .b64 a; .reg .b64 o; mov.b64 a, {$1, $2}; cvt.u64.u32 o, $3; add.u64 a, a, o; "
          "ld.volatile.global.u32 $0, [a]; }")
 # The same load, of a word this program saw arrived (it stays until this
-# rank refills it), so in any shape: after the polls (_exchange).
+# rank refills it), so in any shape: after the polls (lamport_exchange).
 _LOAD_ARRIVED = _LOAD.replace("ld.volatile.global.u32", "ld.relaxed.sys.global.u32")
 # The same load, of a word only this block's earlier calls wrote (its
 # Signal words OWN_WORDS), so in any shape: one element that every thread
@@ -125,7 +106,7 @@ class Plan:
 # The dtypes the kernel sums, and the NaN each leaves in a 32-bit word where
 # a call fails: float32's, and a pair of bfloat16's (CUDA's NaN of
 # __float2bfloat16_rn, so that failed outputs look alike on both kernels).
-_DTYPES = {"float32": 0x7FC00000, "bfloat16": 0x7FFF7FFF}
+NAN_WORDS = {"float32": 0x7FC00000, "bfloat16": 0x7FFF7FFF}
 
 
 @functools.cache
@@ -152,7 +133,7 @@ def why_not(dtype, nbytes: int, window: int | None) -> str | None:
   lowering."""
   if backend_problem() is not None:
     return backend_problem()
-  if np.dtype(dtype).name not in _DTYPES:
+  if np.dtype(dtype).name not in NAN_WORDS:
     return f"no Triton kernel for dtype {np.dtype(dtype).name} (float32 and bfloat16 only)"
   if nbytes % 4:
     return f"the payload of {nbytes} bytes is not a whole number of 32-bit words (the Triton kernel's unit)"
@@ -161,76 +142,9 @@ def why_not(dtype, nbytes: int, window: int | None) -> str | None:
   return None
 
 
-def rows_problem(rows: int, row_bytes: int, cell_bytes: int, max_blocks: int) -> str | None:
-  """Why the fused op's Triton kernel cannot take ``rows`` rows of
-  ``row_bytes`` on a channel of ``max_blocks`` Lamport cells of
-  ``cell_bytes``, or None: it runs a row over one program and block or,
-  where the row is large, several (row_split), each holding its part of
-  the row of every source. Checked at trace time, so the decision says it,
-  and again by rows_plan when lowering."""
-  row_words = row_bytes // 4
-  if row_bytes % 4 or row_words & (row_words - 1) or row_words > MAX_TILE_WORDS:
-    return (f"a row of {row_bytes} bytes is not a power of two of 32-bit words, or above {MAX_TILE_WORDS} "
-            "(the Triton kernel's tiles)")
-  if row_bytes > cell_bytes or rows > max_blocks:
-    return (f"{rows} rows of {row_bytes} bytes do not fit the channel's {max_blocks} Lamport cells of "
-            f"{cell_bytes} bytes (a row per cell)")
-  return None
-
-
-def rows_plan(plan: Plan, rows: int, row_bytes: int, dtype: str, site: int) -> Plan | str:
-  """The fused op's kernel for ``rows`` rows of ``row_bytes`` of ``dtype``
-  at ``site`` on the channel ``plan`` (an all_reduce plan) describes, or
-  rows_problem's reason."""
-  problem = rows_problem(rows, row_bytes, plan.cell_bytes, plan.max_blocks)
-  if problem is not None:
-    return problem
-  row_words = row_bytes // 4
-  split = row_split(rows, row_words, plan.max_blocks)
-  return dataclasses.replace(plan, grid=rows * split, block_words=row_words // split, split=split,
-                             tag=_native.rows_tag(rows, row_bytes, rows * split, dtype=dtype, site=site))
-
-
-def row_split(rows: int, row_words: int, max_blocks: int) -> int:
-  """Programs per row of the fused op's Triton kernel: 1 below
-  SPLIT_ROW_WORDS, else a power of two that leaves each at least
-  MIN_SPLIT_WORDS of the row, at most MAX_SPLIT, and the grid within the
-  channel's blocks. One program per row leaves most SMs idle at small
-  batches, and holds a whole large row of every source."""
-  split = 1
-  while (row_words >= SPLIT_ROW_WORDS and split < MAX_SPLIT and row_words // (2 * split) >= MIN_SPLIT_WORDS
-         and rows * 2 * split <= max_blocks):
-    split *= 2
-  return split
-
-
-def dcp_problem(dtype, heads: int, world: int, row_bytes: int, grid: int, per_block: int) -> str | None:
-  """Why the Triton kernel cannot take a dcp_a2a call of out [B, heads,
-  row_bytes] over ``world`` ranks that ffi/dcp.h plan_dcp_lamport plans as
-  ``grid`` blocks of ``per_block`` rows (``_native.dcp_lamport_plan``), or
-  None: it runs that plan where a block's rows are a power of two of one
-  batch row's heads, as tiles. Checked at trace time and by call_for."""
-  if backend_problem() is not None:
-    return backend_problem()
-  if np.dtype(dtype).name != "bfloat16":
-    return f"no Triton kernel for dcp_a2a of dtype {np.dtype(dtype).name} (bfloat16 only)"
-  if grid == 0:
-    return "the rows do not fit the channel's Lamport cells (the barrier protocol takes the call)"
-  row_words = row_bytes // 4
-  shard_heads = heads // world
-  if shard_heads % per_block or per_block & (per_block - 1) or row_words & (row_words - 1):
-    return (f"blocks of {per_block} rows of {row_bytes} bytes ({shard_heads} heads per rank) are not "
-            "power-of-two tiles of one batch row's heads (the Triton kernel's)")
-  cell_words = 4 * -(-(per_block * row_words + per_block) // 4)  # the rows, their lse, the pad (_exchange)
-  if cell_words > MAX_TILE_WORDS:
-    return (f"a block of {per_block} rows of {row_bytes} bytes and their lse exceeds the Triton kernel's tiles "
-            f"of {MAX_TILE_WORDS} words")
-  return None
-
-
 def plan_problem(view: dict) -> str | None:
   """Why the Triton kernel cannot run the call the kernel view plans, or None."""
-  if view["algorithm"] != _ALGORITHM_LAMPORT:
+  if view["algorithm"] != ALGORITHM_LAMPORT:
     return "the channel plans the call outside its Lamport window"
   words = view["per_block"] * 4
   if view["grid"] * view["per_block"] != view["packs"] or words & (words - 1):
@@ -242,49 +156,7 @@ def plan_problem(view: dict) -> str | None:
   return None
 
 
-class Call(NamedTuple):
-  """The Triton kernel of one call: its plan (equal for equal calls: one
-  per partition) and ``kernel(row, *args) -> results``."""
-  plan: tuple
-  kernel: Callable
-
-
-def call_for(op: str, view: dict, avals, params: dict, *, channel: str, site: int, poison: bool) -> Call | str:
-  """The Triton kernel of a call of ``op`` at ``site`` on ``avals`` (with
-  the primitive's ``params``) on the channel ``view`` describes, or why it
-  cannot run the call."""
-  plan = make_plan(view)
-  if op == "dcp_a2a":
-    out, _ = avals
-    batch, heads, dim = out.shape
-    row_bytes = dim * out.dtype.itemsize
-    grid, per_block, tag = _native.dcp_lamport_plan(plan.cell_bytes, plan.max_blocks, batch, heads, plan.world,
-                                                    row_bytes, dtype=out.dtype.name, site=site,
-                                                    base2=bool(params["base2"]))
-    problem = dcp_problem(out.dtype, heads, plan.world, row_bytes, grid, per_block)
-    if problem is not None:
-      return problem
-    merge = dict(base2=bool(params["base2"]), return_lse=bool(params["return_lse"]))
-    # The FFI kernel's grid and tag; a block's words: one source's rows of it.
-    dcp = dataclasses.replace(plan, grid=grid, block_words=per_block * row_bytes // 4, tag=tag)
-    return Call((dcp, tuple(merge.items())),
-                lambda row, out, lse: list(dcp_a2a(out, lse, row, dcp, **merge, channel=channel, poison=poison)))
-  if op == "all_reduce":
-    problem = plan_problem(view)
-    if problem is not None:
-      return problem
-    return Call((plan,), lambda row, x: [all_reduce(x, row, plan, channel=channel, poison=poison)])
-  x = avals[0]
-  hidden = x.shape[-1]
-  fused_plan = rows_plan(plan, int(np.prod(x.shape)) // hidden, hidden * x.dtype.itemsize, x.dtype.name, site)
-  if isinstance(fused_plan, str):
-    return fused_plan
-  eps = float(params["eps"])
-  return Call((fused_plan, eps), lambda row, x, residual, weight: list(residual_rmsnorm(
-      x, residual, weight, row, fused_plan, eps=eps, channel=channel, poison=poison)))
-
-
-def _signed(word: int) -> int:
+def signed_word(word: int) -> int:
   """A 32-bit word as the int32 the kernel holds it in."""
   return int(np.uint32(word).view(np.int32))
 
@@ -302,7 +174,7 @@ def make_plan(view: dict) -> Plan:
               grace_units=_units(view["poison_grace_ns"]),
               signal_offsets=tuple(sorted(view["signal_offsets"].items())),
               error_offsets=tuple(sorted(view["error_offsets"].items())),
-              empty_word=_signed(view["empty_word"]), nan_word=_signed(view["nan_word"]),
+              empty_word=signed_word(view["empty_word"]), nan_word=signed_word(view["nan_word"]),
               failure_timeout=view["failure_timeout"],
               failure_mismatch=view["failure_mismatch"], failure_stale=view["failure_stale"],
               error_complete=view["error_complete"])
@@ -349,7 +221,7 @@ def _record_asm(error_offsets: dict, poisoned_offset: int, complete: int) -> str
           "mov.u32 $0, 0; }")  # 0, as every store's result: it joins `sink`
 
 
-def _halves(words: jax.Array) -> tuple[jax.Array, jax.Array]:
+def halves(words: jax.Array) -> tuple[jax.Array, jax.Array]:
   """The two bfloat16 values of each 32-bit word (low half first, as they
   sit in memory), exactly, as float32: a bfloat16 is a float32's high half."""
   to_f32 = lambda w: jax.lax.bitcast_convert_type(w, jnp.float32)  # noqa: E731
@@ -359,7 +231,7 @@ def _halves(words: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _bfloat16_bits(f: jax.Array) -> jax.Array:
   """The bfloat16 bits (in the low 16 of an int32) nearest float32 ``f``,
   ties to even, as CUDA's __float2bfloat16_rn (NaN: 0x7FFF)."""
-  bits = jax.lax.bitcast_convert_type(f, _U32)
+  bits = jax.lax.bitcast_convert_type(f, U32)
   lsb = jax.lax.shift_right_logical(bits, jnp.int32(16)) & 1
   rounded = jax.lax.shift_right_logical(bits + (0x7FFF + lsb), jnp.int32(16)) & 0xFFFF
   return jnp.where(f != f, jnp.int32(0x7FFF), rounded)
@@ -367,14 +239,14 @@ def _bfloat16_bits(f: jax.Array) -> jax.Array:
 
 def _flat_iota(shape: tuple[int, ...]) -> jax.Array:
   """Each element's row-major index in an array of ``shape``."""
-  index, stride = jnp.zeros(shape, _U32), 1
+  index, stride = jnp.zeros(shape, U32), 1
   for dim in reversed(range(len(shape))):
-    index = index + jax.lax.broadcasted_iota(_U32, shape, dim) * stride
+    index = index + jax.lax.broadcasted_iota(U32, shape, dim) * stride
     stride *= shape[dim]
   return index
 
 
-def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | None = None):
+def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | None = None):
   """One Lamport call of this program's block (its program id) on the
   channel (lamport.h), in a program of ``warps`` warps. ``parts[p]``: the
   words this rank sends rank p (for every p < world; a sum sends every peer
@@ -417,9 +289,9 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
   sig_off, err_off = dict(plan.signal_offsets), dict(plan.error_offsets)
 
   def asm(code: str, *args, shape: tuple[int, ...] = control) -> jax.Array:
-    args = [jnp.broadcast_to(jnp.asarray(a, _U32), shape) for a in args]
+    args = [jnp.broadcast_to(jnp.asarray(a, U32), shape) for a in args]
     (out,) = plt.elementwise_inline_asm(code, args=args, constraints="=r," + ",".join(["r"] * len(args)), pack=1,
-                                        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, _U32)])
+                                        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, U32)])
     return out
 
   # Every table word is read here, once: a ref read inside a loop body
@@ -433,10 +305,10 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
     return asm(_LOAD, *base, offset, dep)
 
   def load_if(base, offset, enabled, dep):
-    return asm(_LOAD_IF, *base, offset, enabled.astype(_U32), dep)
+    return asm(_LOAD_IF, *base, offset, enabled.astype(U32), dep)
 
   def store(base, offset, value, enabled, dep):
-    return asm(_STORE, *base, offset, value, enabled.astype(_U32), dep, shape=jnp.shape(dep))
+    return asm(_STORE, *base, offset, value, enabled.astype(U32), dep, shape=jnp.shape(dep))
 
   def clock(dep):  # this thread's reading of each element (the checks reduce it)
     return asm(_CLOCK, dep)
@@ -444,14 +316,14 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
   def any_(mask) -> jax.Array:
     return jnp.max(mask.astype(jnp.int32)) > 0
 
-  block = pl.program_id(0).astype(_U32)
-  lanes = jax.lax.iota(_U32, width)
+  block = pl.program_id(0).astype(U32)
+  lanes = jax.lax.iota(U32, width)
   in_cell, in_header = lanes < cell_words, lanes < 4
   # Each segment's words: their index in the cell.
   segment_words = [starts[k] + _flat_iota(shape) for k, shape in enumerate(shapes)]
   rank = table[_RANK]
   own_signal, error, own_lamport = address(_OWN_SIGNAL), address(_ERROR), address(_OWN_LAMPORT)
-  zero = jnp.zeros(control, _U32)
+  zero = jnp.zeros(control, U32)
 
   # The block's Signal words, as its previous call left them (lamport.h
   # lamport_begin): one element every thread holds, so scalars without a
@@ -484,22 +356,22 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
     return plan.cells_bytes + ((buf * plan.world + source) * plan.max_blocks + block) * 16 + 4 * (lanes & 3)
 
   def tag_of(words):  # word k of the tag at lanes k, k + 4, ...
-    out = jnp.full(words.shape, plan.tag[3], _U32)
+    out = jnp.full(words.shape, plan.tag[3], U32)
     for k in (2, 1, 0):
-      out = jnp.where((words & 3) == k, jnp.full(words.shape, plan.tag[k], _U32), out)
+      out = jnp.where((words & 3) == k, jnp.full(words.shape, plan.tag[k], U32), out)
     return out
 
   tag_words = tag_of(lanes)
   empty = plan.empty_word
 
   def on_the_wire(words):
-    return jnp.where(words == empty, jnp.full(words.shape, plan.nan_word, _U32), words)
+    return jnp.where(words == empty, jnp.full(words.shape, plan.nan_word, U32), words)
 
   # 1. Push each peer's part, the pad words and the header into this rank's
   #    cell of the peer's buffer B(k). Each segment's stores form one chain
   #    (`sinks`: every store's result ORed, what keeps them, in order: the
   #    module docstring); the pad words' and the header's form the last.
-  sinks = [jnp.zeros(shape, _U32) for shape in (*shapes, control)]
+  sinks = [jnp.zeros(shape, U32) for shape in (*shapes, control)]
   for p in range(plan.world):
     enabled = jnp.logical_and(exchanges_with(p), go)
     peer = address(_PEER_LAMPORT + 2 * p)
@@ -608,7 +480,7 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
   # 3. A peer at another call.
   mismatch = jnp.logical_and(jnp.logical_and(go, jnp.logical_not(timed_out)), code == 3)
   exchanged = jnp.logical_and(go, jnp.logical_not(jnp.logical_or(timed_out, mismatch)))
-  cells = [tuple(jnp.where(exchanges_with(q), c, jnp.zeros(c.shape, _U32)) for c in cell)
+  cells = [tuple(jnp.where(exchanges_with(q), c, jnp.zeros(c.shape, U32)) for c in cell)
            for q, cell in enumerate(cells)]
 
   # 3b. A row over several programs (the fused op, plan.split > 1): they
@@ -623,10 +495,10 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
     split = plan.split
     first = block - block % split
     head = lanes == 0
-    share_bits = jax.lax.bitcast_convert_type(row_total, _U32)
+    share_bits = jax.lax.bitcast_convert_type(row_total, U32)
     share_bits = jnp.broadcast_to(jnp.where(exchanged, share_bits, share_bits | jnp.int32(-2**31)), control)
     put = store(own_signal, sig_off["row_partial"] + 4 * block, share_bits, head, share_bits)
-    before = asm(_ARRIVE, *own_signal, sig_off["row_arrivals"] + 4 * first, head.astype(_U32), 65536 // split, put)
+    before = asm(_ARRIVE, *own_signal, sig_off["row_arrivals"] + 4 * first, head.astype(U32), 65536 // split, put)
     target = (jnp.max(jnp.where(head, before, jnp.int32(-2**31))) & jnp.int32(-65536)) + 65536
     met_start = clock(before)
     # Above the exchange's own bound: a sibling still waiting for a peer
@@ -673,7 +545,7 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
     dep = jnp.broadcast_to(it, control)
     headers = [load_if(own_lamport, header_offset(buffer, q), in_header, dep) for q in sources]
     mismatch_peer = first_of([jnp.logical_and(exchanges_with(q), any_(other_call(h))) for q, h in zip(sources, headers)])
-    header = jnp.zeros(control, _U32)  # the header the mismatching peer wrote
+    header = jnp.zeros(control, U32)  # the header the mismatching peer wrote
     for q, h in zip(sources, headers):
       header = jnp.where(jnp.logical_and(mismatch, mismatch_peer == q), h, header)
     seen = [jnp.max(jnp.where(lanes == k, header, 0)) for k in range(4)]
@@ -682,8 +554,8 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
     epoch = jnp.where(stale, lowered_for, calls + 1)
     # `record` in the predicate too: the asm is pure to the compiler, which may hoist it out of this branch.
     return jnp.max(asm(_record_asm(err_off, sig_off["poisoned"], plan.error_complete), *own_signal, *error,
-                       jnp.logical_and(record, lanes == 0).astype(_U32), kind, rank, peer.astype(_U32), epoch,
-                       jnp.logical_and(gave_up, timed_out).astype(_U32), first_call.astype(_U32),
+                       jnp.logical_and(record, lanes == 0).astype(U32), kind, rank, peer.astype(U32), epoch,
+                       jnp.logical_and(gave_up, timed_out).astype(U32), first_call.astype(U32),
                        *[jnp.int32(t) for t in plan.tag], *seen, jnp.max(generation), dep))
 
   sink = sink | jax.lax.cond(record, record_failure, lambda: _scalars(it, 0)[0])
@@ -701,20 +573,20 @@ def _exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callable | No
     words = chunk * width + lanes
     for q in sources:
       enabled = jnp.logical_and(jnp.logical_and(exchanges_with(q), done), words < previous_words)
-      acc = acc | store(own_lamport, cell_offset(previous, q) + 4 * words, jnp.full(control, empty, _U32), enabled, acc)
+      acc = acc | store(own_lamport, cell_offset(previous, q) + 4 * words, jnp.full(control, empty, U32), enabled, acc)
     return chunk + 1, acc
 
   _, refilled = jax.lax.while_loop(refill_cond, refill_body, (jnp.int32(0), jnp.broadcast_to(sink, control)))
   for q in sources:
     enabled = jnp.logical_and(jnp.logical_and(exchanges_with(q), done), in_header)
-    refilled = refilled | store(own_lamport, header_offset(previous, q), jnp.full(control, empty, _U32), enabled,
+    refilled = refilled | store(own_lamport, header_offset(previous, q), jnp.full(control, empty, U32), enabled,
                                 refilled)
   following = jnp.where(buffer == 2, jnp.int32(0), buffer + 1)
   head = jnp.logical_and(done, lanes == 0)
   for name, value in (("served", 1), ("lamport_calls", calls + 1), ("lamport_buffer", following),
                       ("lamport_packs", packs)):
     refilled = refilled | store(own_signal, sig_off[name] + 4 * block,
-                                jnp.broadcast_to(jnp.asarray(value, _U32), control), head, refilled)
+                                jnp.broadcast_to(jnp.asarray(value, U32), control), head, refilled)
   if row_failed is not None:
     done = jnp.logical_and(done, jnp.logical_not(row_failed))
   return done, cells, rank, jnp.max(refilled), row_total
@@ -726,19 +598,19 @@ def _scalars(like: jax.Array, *values: int) -> tuple[jax.Array, ...]:
   return tuple(like * 0 + jnp.int32(v) for v in values)
 
 
-def _wide_warps(words: int) -> int:
+def wide_warps(words: int) -> int:
   """Warps for a program that holds ``words`` words (every source's block)
   at once while it polls: more warps for more words, 4 to 16."""
   return min(16, 1 << max(2, (words // 2048).bit_length() - 1))
 
 
-def _warps(block_words: int, wanted: int) -> int:
+def warps_for(block_words: int, wanted: int) -> int:
   """``wanted`` warps, or fewer where the block has fewer words than their
-  threads: _exchange then takes its polls' words as the block's."""
+  threads: lamport_exchange then takes its polls' words as the block's."""
   return max(1, min(wanted, block_words // 32))
 
 
-def _sum_in_rank_order(parts, dtype: str) -> tuple[jax.Array, ...]:
+def sum_in_rank_order(parts, dtype: str) -> tuple[jax.Array, ...]:
   """The sum of the sources' words ``parts`` in rank order 0..N-1, fp32
   from 0 (numeric.h sum_in_rank_order), not yet rounded: one float32
   per element, (low halves, high halves) for bfloat16."""
@@ -749,37 +621,37 @@ def _sum_in_rank_order(parts, dtype: str) -> tuple[jax.Array, ...]:
     return (total,)
   low, high = jnp.zeros(parts[0].shape, jnp.float32), jnp.zeros(parts[0].shape, jnp.float32)
   for part in parts:
-    part_low, part_high = _halves(part)
+    part_low, part_high = halves(part)
     low, high = low + part_low, high + part_high
   return low, high
 
 
-def _elements(words: jax.Array, dtype: str) -> tuple[jax.Array, ...]:
-  """The float32 values of ``words``, as _sum_in_rank_order lays them out."""
-  return (jax.lax.bitcast_convert_type(words, jnp.float32),) if dtype == "float32" else _halves(words)
+def to_elements(words: jax.Array, dtype: str) -> tuple[jax.Array, ...]:
+  """The float32 values of ``words``, as sum_in_rank_order lays them out."""
+  return (jax.lax.bitcast_convert_type(words, jnp.float32),) if dtype == "float32" else halves(words)
 
 
-def _words(values: tuple[jax.Array, ...], dtype: str) -> jax.Array:
+def to_words(values: tuple[jax.Array, ...], dtype: str) -> jax.Array:
   """float32 ``values`` rounded once to ``dtype``, as 32-bit words."""
   if dtype == "float32":
-    return jax.lax.bitcast_convert_type(values[0], _U32)
+    return jax.lax.bitcast_convert_type(values[0], U32)
   return _bfloat16_bits(values[0]) | jax.lax.shift_left(_bfloat16_bits(values[1]), jnp.int32(16))
 
 
-def _with_own(plan: Plan, rank: jax.Array, mine: list, cells: list) -> list:
+def with_own(plan: Plan, rank: jax.Array, mine: list, cells: list) -> list:
   """Every source's words of a block: the cells, but this rank's own words
   from ``mine`` (what it sent), except under loopback, where its own cell
   holds them (channel.h from_own_input)."""
   return [c if plan.loopback else jnp.where(rank == q, m, c) for q, (m, c) in enumerate(zip(mine, cells))]
 
 
-def _failed(done: jax.Array, sink: jax.Array) -> jax.Array:
+def failed_outputs(done: jax.Array, sink: jax.Array) -> jax.Array:
   """Where the outputs take NaN: the call could not finish (C8). ``sink``
   (always 0) keeps every store (the module docstring)."""
   return jnp.logical_or(jnp.logical_not(done), sink != 0)
 
 
-def _launch(kernel: Callable, plan: Plan, op: str, *, channel: str, warps: int, operands: list, in_specs: list,
+def launch(kernel: Callable, plan: Plan, op: str, *, channel: str, warps: int, operands: list, in_specs: list,
             out_shapes: list, out_specs: list, poison_word: int | None) -> list[jax.Array]:
   """The pallas_call of ``kernel(table_ref, *input refs, *output refs)``
   over plan.grid programs of ``warps`` warps, named for ``op`` and the
@@ -804,152 +676,11 @@ def _launch(kernel: Callable, plan: Plan, op: str, *, channel: str, warps: int, 
                         name=f"b12x_{op}_lamport_{channel}", metadata={"b12x_channel": channel})(*operands)
 
 
-def _table_spec():
+def table_spec():
   from jax.experimental import pallas as pl
   return pl.BlockSpec((ROW_WORDS,), lambda i: (0,))
 
 
-def _all_reduce_kernel(plan: Plan, dtype: str, warps: int, table_ref, x_ref, y_ref):
-  x_words = x_ref[...]
-  done, cells, rank, sink, _ = _exchange(plan, table_ref, [(x_words,)] * plan.world, warps)
-  parts = _with_own(plan, rank, [x_words] * plan.world, [c for (c,) in cells])
-  total = _words(_sum_in_rank_order(parts, dtype), dtype)
-  y_ref[...] = jnp.where(_failed(done, sink), jnp.int32(_signed(_DTYPES[dtype])), total)
-
-
-def _rmsnorm_kernel(plan: Plan, dtype: str, hidden: int, eps: float, warps: int, table_ref, x_ref, residual_ref,
-                    weight_ref, normed_ref, residual_out_ref):
-  """The fused op (ffi/rmsnorm.h's math) on a row, or a 1/plan.split part
-  of one, per program."""
-  x_words = x_ref[...]
-  new = {}  # the new residual: _exchange needs the row's share of squares before the call ends
-
-  def share(cells, rank):  # residual_out = round(sum + residual), one rounding; the norm reads it rounded
-    parts = _with_own(plan, rank, [x_words] * plan.world, [c for (c,) in cells])
-    total = _sum_in_rank_order(parts, dtype)
-    new["residual"] = _words(tuple(s + r for s, r in zip(total, _elements(residual_ref[...], dtype))), dtype)
-    return sum(jnp.sum(v * v) for v in _elements(new["residual"], dtype))
-
-  done, _, _, sink, squares = _exchange(plan, table_ref, [(x_words,)] * plan.world, warps, share)
-  residual_out = new["residual"]
-  r = _elements(residual_out, dtype)
-  scale = jax.lax.rsqrt(squares / hidden + eps)
-  normed = _words(tuple(v * scale * w for v, w in zip(r, _elements(weight_ref[...], dtype))), dtype)
-  failed, nan = _failed(done, sink), jnp.int32(_signed(_DTYPES[dtype]))
-  normed_ref[...] = jnp.where(failed, nan, normed)
-  residual_out_ref[...] = jnp.where(failed, nan, residual_out)
-
-
-def all_reduce(x: jax.Array, row: jax.Array, plan: Plan, *, channel: str, poison: bool) -> jax.Array:
-  """The Triton Lamport all_reduce of ``x`` (float32 or bfloat16) on the
-  channel whose table ``row`` (this device's) and ``plan`` were baked at
-  lowering. The kernel moves and returns 32-bit words, as the wire does."""
-  from jax.experimental import pallas as pl
-
-  dtype = np.dtype(x.dtype).name
-  flat = _as_words(x)
-  spec = pl.BlockSpec((plan.block_words,), lambda i: (i,))
-  warps = _warps(plan.block_words, 4 if plan.block_words <= 1024 else 8)
-  (y,) = _launch(functools.partial(_all_reduce_kernel, plan, dtype, warps), plan, "all_reduce", channel=channel,
-                 warps=warps, operands=[row, flat], in_specs=[_table_spec(), spec],
-                 out_shapes=[_compat.shape_dtype_like(flat)], out_specs=[spec],
-                 poison_word=_signed(_DTYPES[dtype]) if poison else None)
-  return jax.lax.bitcast_convert_type(y, x.dtype).reshape(x.shape)
-
-
-def _as_words(a: jax.Array) -> jax.Array:
+def as_words(a: jax.Array) -> jax.Array:
   """``a`` (float32 or bfloat16) as the 32-bit words the wire carries."""
-  return jax.lax.bitcast_convert_type(a.reshape(-1) if a.dtype == jnp.float32 else a.reshape(-1, 2), _U32)
-
-
-def residual_rmsnorm(x: jax.Array, residual: jax.Array, weight: jax.Array, row: jax.Array, plan: Plan, *,
-                     eps: float, channel: str, poison: bool) -> tuple[jax.Array, jax.Array]:
-  """The fused all-reduce, residual add and RMSNorm (ffi/rmsnorm.h) of
-  ``x`` [..., hidden] as a Pallas Triton kernel of ``plan`` (rows_plan: a
-  row over plan.split programs of a block each). Returns (normed,
-  new_residual)."""
-  from jax.experimental import pallas as pl
-
-  dtype = np.dtype(x.dtype).name
-  W, split = plan.block_words, plan.split  # a program's words: a row's, or its split-th part
-  words = _as_words(x)
-  row_spec = pl.BlockSpec((W,), lambda i: (i,))
-  # A program holds a row of every source while it polls: more warps for more words.
-  warps = _warps(W, _wide_warps(W * plan.world))
-  out = _compat.shape_dtype_like(words)
-  normed, new_residual = _launch(
-      functools.partial(_rmsnorm_kernel, plan, dtype, x.shape[-1], eps, warps), plan, "residual_rmsnorm",
-      channel=channel, warps=warps, operands=[row, words, _as_words(residual), _as_words(weight)],
-      in_specs=[_table_spec(), row_spec, row_spec, pl.BlockSpec((W,), lambda i: (i % split,))],
-      out_shapes=[out, out], out_specs=[row_spec, row_spec], poison_word=_signed(_DTYPES[dtype]) if poison else None)
-  return tuple(jax.lax.bitcast_convert_type(y, x.dtype).reshape(x.shape) for y in (normed, new_residual))
-
-
-def _dcp_kernel(plan: Plan, rows: int, base2: bool, return_lse: bool, warps: int, table_ref, *refs):
-  """The DCP merge (ffi/dcp.h's math) of one block's ``rows`` result rows:
-  ``refs`` are every destination's input rows [rows, row words] and lse
-  [rows] (int32 bits), then the merged rows (and lse)."""
-  world = plan.world
-  x_refs, lse_refs, outputs = refs[:world], refs[world:2 * world], refs[2 * world:]
-  xs, lses = [ref[...] for ref in x_refs], [ref[...] for ref in lse_refs]
-  done, cells, rank, sink, _ = _exchange(plan, table_ref, list(zip(xs, lses)), warps)
-  payloads = _with_own(plan, rank, xs, [cell[0] for cell in cells])
-  lse_bits = _with_own(plan, rank, lses, [cell[1] for cell in cells])
-  # merge_weights: a source whose lse is not finite has weight 0, and its payload is never summed.
-  finite = [(bits & 0x7F800000) != 0x7F800000 for bits in lse_bits]
-  lse = [jax.lax.bitcast_convert_type(bits, jnp.float32) for bits in lse_bits]
-  m = jnp.full((rows,), -jnp.inf, jnp.float32)
-  for f, value in zip(finite, lse):
-    m = jnp.where(jnp.logical_and(f, value > m), value, m)
-  exp, log = (jnp.exp2, jnp.log2) if base2 else (jnp.exp, jnp.log)
-  weights = [jnp.where(f, exp(jnp.where(f, value, m) - m), 0.0) for f, value in zip(finite, lse)]
-  total = functools.reduce(jnp.add, weights)
-  some = total > 0
-  per_word = lambda v: jax.lax.broadcast_in_dim(v, xs[0].shape, (0,))  # noqa: E731  # a row's value on its words
-  low, high = jnp.zeros(xs[0].shape, jnp.float32), jnp.zeros(xs[0].shape, jnp.float32)
-  for w, payload in zip(weights, payloads):  # rank order (C9)
-    scale = per_word(jnp.where(some, w / jnp.where(some, total, 1.0), 0.0))
-    taken = scale != 0
-    part_low, part_high = _halves(payload)
-    low = low + jnp.where(taken, scale * part_low, 0.0)
-    high = high + jnp.where(taken, scale * part_high, 0.0)
-  failed = _failed(done, sink)
-  outputs[0][...] = jnp.where(failed, jnp.int32(_signed(_DTYPES["bfloat16"])), _words((low, high), "bfloat16"))
-  if return_lse:
-    merged = jnp.where(some, m + log(jnp.where(some, total, 1.0)), -jnp.inf)
-    outputs[1][...] = jnp.where(failed, jnp.int32(-1), jax.lax.bitcast_convert_type(merged, _U32))
-
-
-def dcp_a2a(out: jax.Array, lse: jax.Array, row: jax.Array, plan: Plan, *, base2: bool, return_lse: bool,
-            channel: str, poison: bool) -> list[jax.Array]:
-  """The DCP merge of ``out`` [B, H, D] (bfloat16) and ``lse`` [B, H] as a
-  Pallas Triton kernel of ``plan`` (call_for's): program i takes the FFI
-  kernel's block i, a run of one batch row's heads. Returns [merged out]
-  (and the merged lse)."""
-  from jax.experimental import pallas as pl
-
-  batch, heads, dim = out.shape
-  world = plan.world
-  row_words = dim // 2
-  rows = plan.block_words // row_words  # per block
-  runs = heads // world // rows  # blocks per batch row
-  words = jax.lax.bitcast_convert_type(out.reshape(batch, world, runs, rows, row_words, 2), _U32)
-  lse_bits = jax.lax.bitcast_convert_type(lse, _U32).reshape(batch, world, runs, rows)
-  # One operand per destination: a block's rows of that destination's heads.
-  x_specs = [pl.BlockSpec((None, None, None, rows, row_words), lambda i, p=p: (i // runs, p, i % runs, 0, 0))
-             for p in range(world)]
-  lse_specs = [pl.BlockSpec((None, None, None, rows), lambda i, p=p: (i // runs, p, i % runs, 0)) for p in range(world)]
-  out_shapes = [_compat.shape_dtype_like(words, (batch, runs, rows, row_words))]
-  out_specs = [pl.BlockSpec((None, None, rows, row_words), lambda i: (i // runs, i % runs, 0, 0))]
-  if return_lse:
-    out_shapes.append(_compat.shape_dtype_like(words, (batch, runs, rows)))
-    out_specs.append(pl.BlockSpec((None, None, rows), lambda i: (i // runs, i % runs, 0)))
-  warps = _wide_warps(plan.block_words * world)
-  results = _launch(functools.partial(_dcp_kernel, plan, rows, base2, return_lse, warps), plan, "dcp_a2a",
-                    channel=channel, warps=warps, operands=[row, *[words] * world, *[lse_bits] * world],
-                    in_specs=[_table_spec(), *x_specs, *lse_specs], out_shapes=out_shapes, out_specs=out_specs,
-                    poison_word=-1 if poison else None)
-  merged = jax.lax.bitcast_convert_type(results[0], jnp.bfloat16).reshape(batch, heads // world, dim)
-  if not return_lse:
-    return [merged]
-  return [merged, jax.lax.bitcast_convert_type(results[1], jnp.float32).reshape(batch, heads // world)]
+  return jax.lax.bitcast_convert_type(a.reshape(-1) if a.dtype == jnp.float32 else a.reshape(-1, 2), U32)
