@@ -213,6 +213,10 @@ struct ChannelView {
   int rank;
   int world;
   int loopback;  // 1: a group of one whose peer is itself (docs/DESIGN.md, "Loopback")
+  // The preparation this view serves (ChannelGroup::write_generation): a
+  // kernel replayed from a CUDA graph captured before a release carries an
+  // older one than its memory's Signal::generation (protocol.h stale_view).
+  uint32_t generation;
 };
 
 // Whether rank `p` is one this rank exchanges with: every other rank of the

@@ -100,6 +100,28 @@ B12X_HD void record_failure(const ChannelView& v, uint32_t kind, int peer, uint3
   Mem::store_release(&v.error->state, kErrorComplete);
 }
 
+// Whether the channel's memory now serves another preparation than `v`
+// (docs/DESIGN.md, "Lifetime"): a kernel replayed from a CUDA graph captured
+// before a release, without its handler. It then records a failure of kind
+// kFailureStale, once, naming both generations, poisons the channel and
+// must leave NaN before it touches the memory. One load of a word next to
+// `poisoned`.
+template <class Mem>
+B12X_HD bool stale_view(const ChannelView& v) {
+  const uint32_t now = Mem::load_relaxed(&v.signals[v.rank]->generation);
+  if (now == v.generation) return false;
+  if (Mem::claim(&v.signals[v.rank]->poisoned)) {
+    v.error->kind = kFailureStale;
+    v.error->rank = v.rank;
+    v.error->peer = -1;
+    v.error->epoch = v.generation;
+    v.error->channel_generation = now;
+    Mem::fence();
+    Mem::store_release(&v.error->state, kErrorComplete);
+  }
+  return true;
+}
+
 template <class Mem>
 B12X_HD CallTag load_tag(const CallTag* p) {
   const uint32_t* w = &p->call;

@@ -113,18 +113,27 @@ class ChannelGroup {
   // every process of the group.
   virtual void start_counters(uint32_t calls) const = 0;
   const ErrorRecord& error_record(int rank) const { return *host_errors_[rank]; }
-  // Writes `generation` into every local rank's Signal::generation (the
-  // Registry's, at preparation and release; docs/DESIGN.md, "Lifetime").
-  // Only while no call of the channel runs. Host memory by default.
-  virtual void write_generation(uint32_t generation) {
+  // Writes `generation` into every local rank's Signal::generation and
+  // view (the Registry's, at preparation and release; docs/DESIGN.md,
+  // "Lifetime"): a kernel compares the two. Only while no call of the
+  // channel runs.
+  void write_generation(uint32_t generation) {
+    store_generation(generation);
     for (int r = 0; r < world(); ++r) {
-      if (is_local(r)) __atomic_store_n(&views_[r].signals[r]->generation, generation, __ATOMIC_RELEASE);
+      if (is_local(r)) views_[r].generation = generation;
     }
     generation_ = generation;
   }
   uint32_t generation() const { return generation_; }
 
  protected:
+  // The Signal words of write_generation: host memory by default.
+  virtual void store_generation(uint32_t generation) {
+    for (int r = 0; r < world(); ++r) {
+      if (is_local(r)) __atomic_store_n(&views_[r].signals[r]->generation, generation, __ATOMIC_RELEASE);
+    }
+  }
+
   std::string channel_;
   std::string partition_;
   std::string preparation_;

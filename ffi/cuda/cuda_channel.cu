@@ -154,9 +154,8 @@ class CudaGroup final : public ChannelGroup {
   void start_counters(uint32_t calls) const override {
     for (int r = 0; r < world(); ++r) start_device_counters(ordinals_[r], views_[r].signals[r], calls);
   }
-  void write_generation(uint32_t generation) override {
+  void store_generation(uint32_t generation) override {
     for (int r = 0; r < world(); ++r) write_device_generation(ordinals_[r], views_[r].signals[r], generation);
-    generation_ = generation;
   }
 
  private:

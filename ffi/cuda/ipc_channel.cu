@@ -123,9 +123,8 @@ class IpcGroup final : public SharedGroup {
   void start_counters(uint32_t calls) const override {
     start_device_counters(ordinals_[local_], static_cast<Signal*>(exports_[kSignals]), calls);
   }
-  void write_generation(uint32_t generation) override {
+  void store_generation(uint32_t generation) override {
     write_device_generation(ordinals_[local_], static_cast<Signal*>(exports_[kSignals]), generation);
-    generation_ = generation;
   }
 
  private:

@@ -30,7 +30,7 @@ namespace b12x {
 template <int kThreads, class Push, class Own, class Reduce>
 __device__ __forceinline__ int lamport_exchange_with(const ChannelView& v, const CallTag& tag, size_t n, Push push,
                                                      Own own, Reduce reduce) {
-  if (channel_poisoned<CudaMem>(v)) return -1;
+  if (channel_poisoned<CudaMem>(v) || stale_view<CudaMem>(v)) return -1;
   const LamportCall c = lamport_begin<CudaMem>(v, blockIdx.x, tag);
 
   // 1. Push this rank's part, and the call's tag, to every peer.
