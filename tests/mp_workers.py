@@ -187,6 +187,57 @@ def after_failure_mode(args) -> dict:
   return {"checked": True}
 
 
+def stale_replay_mode(args) -> dict:
+  """A compiled executable that ran (on CUDA: its calls captured in a CUDA
+  graph with the channel's view of that preparation), then its channel
+  released and prepared again, which reuses the memory under a new
+  generation (docs/DESIGN.md, "Lifetime"), then the executable again, inside
+  and above the Lamport window. Returns, per size, whether the second run
+  was right or left NaN, and the messages of check_errors: a replay of the
+  graph must stop with the stale error, never run on the new preparation's
+  memory with the old one's view; where the handler runs again (graphs off,
+  the host) it takes the new view and is right."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  from helpers import assert_sum_matches, random_shards
+  comm = _communicator(args, poison_outputs=True)
+  b12x_jax.set_communicator(comm)
+  mesh, me = _mesh(), jax.process_index()
+  fn = jax.jit(jax.shard_map(lambda v: b12x_jax.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  rng = np.random.default_rng(17)
+  results = {}
+  for elems in (1024, 1 << 19):
+    channel = f"stale-{elems}"
+    put = lambda shards: jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), shards[me])  # noqa: E731
+    with b12x_jax.channel(channel):
+      shards = random_shards(rng, jax.device_count(), elems, np.float32)
+      compiled = fn.lower(put(shards)).compile()
+      for _ in range(2):
+        shards = random_shards(rng, jax.device_count(), elems, np.float32)
+        assert_sum_matches(np.asarray(compiled(put(shards)).addressable_shards[0].data)[None], shards, "float32")
+      comm.release(channel)
+      comm.prepare(mesh, "x", channels=[channel])
+      shards = random_shards(rng, jax.device_count(), elems, np.float32)
+      messages = []
+      try:
+        got = np.asarray(compiled(put(shards)).addressable_shards[0].data)
+        right = bool(np.isfinite(got).all())
+        if right:
+          assert_sum_matches(got[None], shards, "float32")
+      except Exception as e:  # noqa: BLE001 - the error of a handler that found the stale record
+        right, messages = False, [str(e)]
+      try:
+        b12x_jax.check_errors()
+      except b12x_jax.B12xError as e:
+        messages += str(e).splitlines()
+      results[str(elems)] = {"right": right, "messages": messages}
+  return results
+
+
 def wrap_mode(args) -> dict:
   """all_reduce inside and above the Lamport window across the uint32 wrap
   of the counters (docs/DESIGN.md, "Wrap"), between processes: the hook on
@@ -1153,7 +1204,7 @@ def same_program_mode(args) -> dict:
           "rows_filled": [[bool(row.any()) for row in table] for table in tables]}
 
 
-MODES = {"after_failure": after_failure_mode, "misplaced_export": misplaced_export_mode, "reuse_cycles": reuse_cycles_mode, "dies_preparing": dies_preparing_mode,
+MODES = {"after_failure": after_failure_mode, "stale_replay": stale_replay_mode, "misplaced_export": misplaced_export_mode, "reuse_cycles": reuse_cycles_mode, "dies_preparing": dies_preparing_mode,
          "capacity_edge": capacity_edge_mode, "loops": loops_mode, "same_program": same_program_mode, "drop_in": drop_in_mode, "all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
          "never_joins": never_joins_mode, "close_twice": close_twice_mode, "throwaway": throwaway_mode,
          "exit_pending": exit_pending_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,

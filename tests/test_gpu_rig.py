@@ -151,6 +151,18 @@ def test_a_rank_that_never_calls_the_triton_kernel_gives_the_others_the_timeout_
   assert all(r["kernels"] == ["triton"] for r in results), results
 
 
+@pytest.mark.parametrize("graphs", ["on", "off"])
+def test_a_graph_captured_before_a_release_stops_with_the_stale_error_never_runs_on_the_new_memory(gpu_rig, graphs):
+  results = gpu_rig("stale_replay", 2, env=GRAPHS_OFF if graphs == "off" else None)
+  for r in results:
+    for size, got in r.items():
+      stale = [m for m in got["messages"] if "an executable lowered for an earlier preparation" in m]
+      # A replayed graph: NaN and the stale error; a handler that ran again: the new view, right.
+      assert (not got["right"] and stale) or (got["right"] and not got["messages"]), (size, got)
+      if graphs == "off":
+        assert got["right"], (size, got)
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_an_export_called_with_its_devices_in_other_positions_stops_every_rank_with_nan(gpu_rig, n):
   # The exported module takes the FFI kernel whatever `kernels` says (it

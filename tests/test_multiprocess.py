@@ -342,6 +342,13 @@ def test_an_export_called_with_its_devices_in_other_positions_stops_every_proces
   check_misplaced(multiprocess("misplaced_export", n, "--timeout", "5", hard_timeout=240))
 
 
+def test_a_compiled_executable_after_release_and_prepare_takes_the_new_preparation_on_the_host(multiprocess):
+  # The host backend runs every call's handler, so it reads the new view; the
+  # rig's twin checks a CUDA graph replay, which must stop with the stale error.
+  for r in multiprocess("stale_replay", 2):
+    assert all(got == {"right": True, "messages": []} for got in r.values()), r
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_independent_calls_on_one_channel_run_in_program_order_across_processes(multiprocess, n):
   for r in multiprocess("independent", n, hard_timeout=240):
