@@ -64,25 +64,27 @@ def test_the_first_screen_is_install_example_measurements_limits_then_the_api():
   assert "| Date | Hardware | Commit |" in measured and "Not measured yet" in measured
 
 
-def test_the_first_python_block_runs_alone_as_written_on_cpu():
+def test_the_first_python_block_runs_alone_as_written_on_cpu(tmp_path):
   example = _python_blocks()[0]
   lines = example.splitlines()
   assert len(lines) <= 16, f"the short example has {len(lines)} lines"
   first_jax = next(i for i, line in enumerate(lines) if re.match(r"(import|from) jax", line))
   flags = [i for i, line in enumerate(lines) if "os.environ[" in line]
   assert flags and max(flags) < first_jax, "the example sets its device flags before importing jax"
+  # Outside the source tree: `python -c` puts the working directory first on
+  # the path, where the sources would shadow an installed wheel.
   proc = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, env=_clean_env(),
-                        cwd=ROOT, timeout=240)
+                        cwd=tmp_path, timeout=240)
   assert proc.returncode == 0, proc.stderr[-4000:]
   assert proc.stdout.splitlines() == ["[ 8. 10. 12. 14. 16. 18. 20. 22.]", "b12x"], proc.stdout
 
 
-def test_readme_python_blocks_run_in_order_as_one_script():
+def test_readme_python_blocks_run_in_order_as_one_script(tmp_path):
   pytest.importorskip("flatbuffers", reason="the export block serializes: jax.export needs the flatbuffers package")
   blocks = _python_blocks()
   assert len(blocks) >= 3, "the README shows the short example, the API and jax.export"
   proc = subprocess.run([sys.executable, "-c", "\n".join(blocks)], capture_output=True, text=True,
-                        env=_clean_env(), cwd=ROOT, timeout=300)
+                        env=_clean_env(), cwd=tmp_path, timeout=300)
   assert proc.returncode == 0, proc.stderr[-4000:]
   assert "\n()\n" in proc.stdout, proc.stdout  # the export's ordered effects: none
 
