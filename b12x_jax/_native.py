@@ -14,6 +14,7 @@ import jax
 from b12x_jax import _b12x, _compat
 from b12x_jax.errors import ChannelError, CollectiveTimeoutError, TransportError
 
+
 def ffi_api_mismatch(built: tuple[int, int], built_jaxlib: str, runtime: tuple[int, int] | None,
                      runtime_jaxlib: str) -> str | None:
   """Why XLA would refuse this extension's FFI handlers, or None: a runtime

@@ -87,7 +87,6 @@ struct Placement {
 // whichever of them are misplaced.
 inline constexpr uint32_t kMisplacedFlag = 0x40;
 B12X_HD bool tag_misplaced(const CallTag& t) { return (t.call >> 24 & kMisplacedFlag) != 0; }
-B12X_HD int tag_misplaced_rank(const CallTag& t) { return static_cast<int>(t.call >> 27 & 7u); }
 static_assert(kMaxRanks <= 8, "a misplaced tag carries its rank in 3 bits");
 B12X_HD CallTag placed_tag(CallTag tag, const Placement& p, int rank) {
   if (p.expected_device != nullptr && *p.expected_device != p.device) {

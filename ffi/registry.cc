@@ -261,7 +261,7 @@ std::string timeout_message(const ChannelGroup& group, int rank) {
                   "b12x_jax: channel '%s' rank %d stopped at epoch %u: rank %d runs %s on another device "
                   "assignment than its module was lowered for (a jax.export module called with its devices at "
                   "other mesh positions), so its group attribute names other peers than its mesh axis has. No data "
-                  "was mixed; the outputs are NaN and the channel is poisoned: call the module with the devices "
+                  "was mixed; the channel is poisoned: call the module with the devices "
                   "in the mesh order of its export, or export it again for these devices, then release the "
                   "channel (Communicator.release) and prepare it again.",
                   group.channel().c_str(), record.rank, record.epoch, misplaced,

@@ -42,10 +42,12 @@ auto placed(Binding&& binding) {
 }
 
 // The placement of a call on device `ordinal` of `platform` (channel.h).
+// Only an exported call looks up its device's id: every other call pays
+// nothing for placement.
 inline Placement placement_of(const std::optional<xla::ffi::AnyBuffer>& expected_device, Platform platform,
                               int ordinal) {
-  return Placement{expected_device ? static_cast<const int32_t*>(expected_device->untyped_data()) : nullptr,
-                   device_id(platform, ordinal)};
+  if (!expected_device) return Placement{nullptr, -1};
+  return Placement{static_cast<const int32_t*>(expected_device->untyped_data()), device_id(platform, ordinal)};
 }
 
 template <class Binding>
