@@ -226,7 +226,8 @@ def exchange_floor(words: int, ops: int):
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(grid,),
                           in_specs=[pl.BlockSpec((2,), lambda i: (0,)), pl.BlockSpec((block,), lambda i: (i,))],
                           out_specs=pl.BlockSpec((block,), lambda i: (i,)),
-                          compiler_params=plt.CompilerParams(num_warps=warps, num_stages=1))(address, x)
+                          compiler_params=plt.CompilerParams(num_warps=warps, num_stages=1),
+                          name="floor_exchange")(address, x)
 
   def body(x):
     for _ in range(ops):

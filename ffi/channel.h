@@ -214,7 +214,7 @@ struct ChannelView {
   int loopback;  // 1: a group of one whose peer is itself (docs/DESIGN.md, "Loopback")
   // The preparation this view serves (ChannelGroup::write_generation): a
   // kernel replayed from a CUDA graph captured before a release carries an
-  // older one than its memory's Signal::generation (protocol.h stale_view).
+  // older one than its memory's Signal::generation (protocol.h stale_generation).
   uint32_t generation;
 };
 

@@ -64,6 +64,35 @@ B12X_HD Pack lamport_empty_pack() {
   return Pack{{kLamportEmptyWord, kLamportEmptyWord, kLamportEmptyWord, kLamportEmptyWord}};
 }
 
+// What a Lamport call of one block reads before it pushes: its Signal words
+// as its previous call left them, and the words others write (the poison
+// word, the generation). No load depends on another, so a backend issues
+// them together: one round trip where a CUDA block paid one per word.
+struct LamportStart {
+  uint32_t poisoned;
+  uint32_t generation;
+  uint32_t buffer;
+  uint32_t calls;
+  uint32_t packs;
+  uint32_t served;
+};
+
+template <class Mem>
+B12X_HD LamportStart lamport_start(const ChannelView& v, int block) {
+  const Signal* own = v.signals[v.rank];
+  return LamportStart{Mem::load_relaxed(&own->poisoned),          Mem::load_relaxed(&own->generation),
+                      Mem::load_relaxed(&own->lamport_buffer[block]), Mem::load_relaxed(&own->lamport_calls[block]),
+                      Mem::load_relaxed(&own->lamport_packs[block]),  Mem::load_relaxed(&own->served[block])};
+}
+
+// Whether a call that read `s` must leave NaN without touching channel
+// memory: the channel is poisoned, or its memory serves another preparation
+// (recorded: protocol.h stale_generation).
+template <class Mem>
+B12X_HD bool lamport_halted(const ChannelView& v, const LamportStart& s) {
+  return s.poisoned != 0 || stale_generation<Mem>(v, s.generation);
+}
+
 // One Lamport call of one block, as its Signal words stood at the start.
 // Written by this block's previous call: an earlier kernel on this stream,
 // or an earlier call of the progress thread.
@@ -83,13 +112,9 @@ struct LamportCall {
   }
 };
 
-template <class Mem>
-B12X_HD LamportCall lamport_begin(const ChannelView& v, int block, const CallTag& tag) {
-  const Signal* own = v.signals[v.rank];
-  const int buffer = static_cast<int>(Mem::load_relaxed(&own->lamport_buffer[block]));
-  return LamportCall{block, Mem::load_relaxed(&own->lamport_calls[block]), buffer,
-                     buffer == 0 ? kLamportBuffers - 1 : buffer - 1, Mem::load_relaxed(&own->lamport_packs[block]),
-                     tag};
+B12X_HD LamportCall lamport_begin(int block, const CallTag& tag, const LamportStart& s) {
+  const int buffer = static_cast<int>(s.buffer);
+  return LamportCall{block, s.calls, buffer, buffer == 0 ? kLamportBuffers - 1 : buffer - 1, s.packs, tag};
 }
 
 // This call's tag into this rank's header of every peer's buffer.

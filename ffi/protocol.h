@@ -101,14 +101,13 @@ B12X_HD void record_failure(const ChannelView& v, uint32_t kind, int peer, uint3
 }
 
 // Whether the channel's memory now serves another preparation than `v`
-// (docs/DESIGN.md, "Lifetime"): a kernel replayed from a CUDA graph captured
+// (docs/DESIGN.md, "Lifetime"), where `now` is the generation word a call
+// read next to `poisoned`: a kernel replayed from a CUDA graph captured
 // before a release, without its handler. It then records a failure of kind
 // kFailureStale, once, naming both generations, poisons the channel and
-// must leave NaN before it touches the memory. One load of a word next to
-// `poisoned`.
+// must leave NaN before it touches the memory.
 template <class Mem>
-B12X_HD bool stale_view(const ChannelView& v) {
-  const uint32_t now = Mem::load_relaxed(&v.signals[v.rank]->generation);
+B12X_HD bool stale_generation(const ChannelView& v, uint32_t now) {
   if (now == v.generation) return false;
   if (Mem::claim(&v.signals[v.rank]->poisoned)) {
     v.error->kind = kFailureStale;
@@ -120,6 +119,16 @@ B12X_HD bool stale_view(const ChannelView& v) {
     Mem::store_release(&v.error->state, kErrorComplete);
   }
   return true;
+}
+
+// Whether a call must leave NaN at once (C8): the channel is poisoned, or
+// stale (stale_generation). Both words are loaded before either is looked
+// at: one round trip, not two.
+template <class Mem>
+B12X_HD bool view_halted(const ChannelView& v) {
+  const uint32_t poisoned = Mem::load_relaxed(&v.signals[v.rank]->poisoned);
+  const uint32_t generation = Mem::load_relaxed(&v.signals[v.rank]->generation);
+  return poisoned != 0 || stale_generation<Mem>(v, generation);
 }
 
 template <class Mem>
@@ -162,16 +171,21 @@ struct Deadline {
   bool first_call;
 };
 
-// The deadline of a call of `block` that starts now (DESIGN C8): the
-// channel's timeout, or, until the block met its peers once on a freshly
-// prepared channel (Signal::served), the setup timeout. Processes reach
-// their first call seconds to minutes apart (compilation, autotuning,
+// The deadline of a call that starts now (DESIGN C8): the channel's
+// timeout, or, for a `first_call` (its block has not met its peers once on
+// a freshly prepared channel: Signal::served), the setup timeout. Processes
+// reach their first call seconds to minutes apart (compilation, autotuning,
 // weight loading), and that is no fault (docs/DESIGN.md, "Start-up skew").
 template <class Mem>
-B12X_HD Deadline wait_deadline(const ChannelView& v, int block) {
-  const bool first = Mem::load_relaxed(&v.signals[v.rank]->served[block]) == 0;
+B12X_HD Deadline deadline_from_now(const ChannelView& v, bool first_call) {
   const uint64_t now = Mem::now_ns();
-  return Deadline{now, now + (first ? v.first_timeout_ns : v.timeout_ns), first};
+  return Deadline{now, now + (first_call ? v.first_timeout_ns : v.timeout_ns), first_call};
+}
+
+// The same for `block`, from its served word.
+template <class Mem>
+B12X_HD Deadline wait_deadline(const ChannelView& v, int block) {
+  return deadline_from_now<Mem>(v, Mem::load_relaxed(&v.signals[v.rank]->served[block]) == 0);
 }
 
 // `block` of this rank met a peer: later calls are bounded by the timeout.

@@ -78,7 +78,7 @@ class LamportHostCall : public HostCall {
       : HostCall(handle, std::move(promise), tag), n_(n) {}
 
   void start(const ChannelView& v, int /*phase*/) override {
-    call_ = lamport_begin<HostMem>(v, 0, tag);
+    call_ = lamport_begin(0, tag, lamport_start<HostMem>(v, 0));
     lamport_push_header<HostMem>(v, call_);
     push(v);
   }

@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kThreads)
   const int row_packs = s.row_packs;
   const int lo = block * plan.per_block;
   const int n = lo < s.rows() ? min(plan.per_block, s.rows() - lo) : 0;
-  if (channel_poisoned<CudaMem>(v) || stale_view<CudaMem>(v)) return fill_failed(s, lo, n, out, out_lse);  // a timed-out channel fails fast
+  if (view_halted<CudaMem>(v)) return fill_failed(s, lo, n, out, out_lse);  // a timed-out channel fails fast
   const uint32_t epoch = next_epoch<CudaMem>(v, block);
   const int slot = epoch & 1;
   const DcpCell cell{plan.per_block, row_packs};
@@ -157,7 +157,9 @@ __global__ void __launch_bounds__(kThreads)
   const int lo = blockIdx.x * plan.per_block;
   const int n = min(plan.per_block, s.rows() - lo);  // >= 1: the plan's grid covers the rows exactly
   const auto part = [&](int dest, size_t i) { return dcp_lamport_pack(s, in, in_lse, dest, lo, n, i); };
-  const auto push = [&](const LamportCall& c, size_t i) {
+  // Each peer's pack is loaded where it is pushed (`load` loads nothing).
+  const auto load = [](size_t) { return 0; };
+  const auto push = [&](const LamportCall& c, size_t i, int) {
     for (int p = 0; p < v.world; ++p) {
       if (exchanges_with(v, p)) lamport_push_to<CudaMem>(v, c, p, i, part(p, i));
     }
@@ -166,7 +168,7 @@ __global__ void __launch_bounds__(kThreads)
   // after the exchange, its own rows from the input; the exchange only waits.
   const auto no_own = [](size_t) { return Pack{}; };
   const auto arrived = [](size_t, const Pack*) {};
-  const int buffer = lamport_exchange_with<kThreads>(v, tag, DcpCell{n, s.row_packs}.lamport_packs(), push,
+  const int buffer = lamport_exchange_with<kThreads>(v, tag, DcpCell{n, s.row_packs}.lamport_packs(), load, push,
                                                      no_own, arrived);
   if (buffer < 0) return fill_failed(s, lo, n, out, out_lse);
   char* cells[kMaxRanks];

@@ -14,35 +14,53 @@
 namespace b12x {
 
 // One Lamport call of this block (block b = blockIdx.x, every thread of the
-// block must call it) for call `tag`, of `n` packs per source: `push(c, i)`
-// sends pack i to every peer (the same pack, or each peer its own), `own(i)`
-// is this rank's own pack i where a sum reads it from the input
+// block must call it) for call `tag`, of `n` packs per source: `load(i)` is
+// what pack i sends (its loads from the op's inputs), `push(c, i, loaded)`
+// sends it to every peer (the same pack, or each peer its own), `own(i)` is
+// this rank's own pack i where a sum reads it from the input
 // (from_own_input); each pack's sources in rank order (C9) go to
 // `reduce(i, staged)` as they arrive; then it refills what the previous
-// call read and moves on to the next buffer. Thread 0 checks every source's
-// header (the tag); a mismatch stops the block like a timeout. Every op that
-// uses the Lamport buffers of a channel goes through here, so their calls
-// interleave on one channel by the reuse argument of lamport.h. Returns the
-// buffer B(k) the call read (its cells stay as they are until this block's
-// next call), or -1, with nothing counted, when the channel is poisoned or
-// a wait failed (C8: bounded, error recorded): the caller then fills its
-// outputs with NaN (also over what `reduce` wrote).
-template <int kThreads, class Push, class Own, class Reduce>
-__device__ __forceinline__ int lamport_exchange_with(const ChannelView& v, const CallTag& tag, size_t n, Push push,
-                                                     Own own, Reduce reduce) {
-  if (channel_poisoned<CudaMem>(v) || stale_view<CudaMem>(v)) return -1;
-  const LamportCall c = lamport_begin<CudaMem>(v, blockIdx.x, tag);
+// call read and moves on to the next buffer. One thread checks every
+// source's header (the tag); a mismatch stops the block like a timeout.
+// Every op that uses the Lamport buffers of a channel goes through here, so
+// their calls interleave on one channel by the reuse argument of lamport.h.
+// Returns the buffer B(k) the call read (its cells stay as they are until
+// this block's next call; every thread's `reduce` stores are visible to the
+// block), or -1, with nothing counted, when the channel is poisoned or
+// stale or a wait failed (C8: bounded, error recorded): the caller then
+// fills its outputs with NaN (also over what `reduce` wrote).
+//
+// A small call is a few round trips to memory long, so none is paid twice:
+// each thread's first pack and the block's start words (lamport_start) are
+// loaded together, thread 0 decides for the block (one reading of the
+// poison word, so no thread leaves while others meet at a barrier), and
+// the header is polled by a thread that holds no packs where there is one,
+// beside the others' polls (docs/DESIGN.md, "Lamport").
+template <int kThreads, class Load, class Push, class Own, class Reduce>
+__device__ __forceinline__ int lamport_exchange_with(const ChannelView& v, const CallTag& tag, size_t n, Load load,
+                                                     Push push, Own own, Reduce reduce) {
+  __shared__ volatile int failed;  // volatile: read while other threads write it
+  __shared__ LamportStart start;
+  const size_t first = threadIdx.x;
+  decltype(load(first)) loaded{};
+  if (first < n) loaded = load(first);
+  if (threadIdx.x == 0) {
+    const LamportStart s = lamport_start<CudaMem>(v, blockIdx.x);
+    failed = lamport_halted<CudaMem>(v, s) ? 1 : 0;
+    start = s;
+  }
+  __syncthreads();
+  if (failed) return -1;
+  const LamportCall c = lamport_begin(blockIdx.x, tag, start);
+  const Deadline deadline = deadline_from_now<CudaMem>(v, start.served == 0);  // served only by lamport_advance
 
   // 1. Push this rank's part, and the call's tag, to every peer.
-  if (threadIdx.x == 0) lamport_push_header<CudaMem>(v, c);
-  for (size_t i = threadIdx.x; i < n; i += kThreads) push(c, i);
+  const size_t header_thread = n < kThreads ? n : 0;
+  if (threadIdx.x == header_thread) lamport_push_header<CudaMem>(v, c);
+  for (size_t i = first; i < n; i += kThreads) push(c, i, i == first ? loaded : load(i));
 
   // 2. Poll each source's pack until every word arrived, then reduce. One
-  //    failed thread stops the block (volatile: read while others write it).
-  __shared__ volatile int failed;
-  if (threadIdx.x == 0) failed = 0;
-  __syncthreads();
-  const Deadline deadline = wait_deadline<CudaMem>(v, blockIdx.x);  // served only by lamport_advance
+  //    failed thread stops the block.
   // Spins on `probe` (bounded by poll_peer every 64 spins); false once this
   // thread or another one of the block failed.
   const auto await = [&](int q, auto probe) {
@@ -55,12 +73,12 @@ __device__ __forceinline__ int lamport_exchange_with(const ChannelView& v, const
       }
     }
   };
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == header_thread) {
     for (int q = 0; q < v.world; ++q) {
       if (exchanges_with(v, q) && !await(q, [&] { return lamport_header_state<CudaMem>(v, c, q); })) break;
     }
   }
-  for (size_t i = threadIdx.x; i < n && !failed; i += kThreads) {
+  for (size_t i = first; i < n && !failed; i += kThreads) {
     Pack staged[kMaxRanks];
     bool ok = true;
 #pragma unroll
@@ -81,8 +99,9 @@ __device__ __forceinline__ int lamport_exchange_with(const ChannelView& v, const
   if (failed) return -1;
 
   // 3. Refill the cells this block read in its previous call, then advance.
-  for (size_t i = threadIdx.x; i < lamport_refill_packs(c); i += kThreads) lamport_refill<CudaMem>(v, c, i);
-  __syncthreads();
+  //    Both are only read by this block's next call, a later kernel on the
+  //    stream: no barrier between them.
+  for (size_t i = first; i < lamport_refill_packs(c); i += kThreads) lamport_refill<CudaMem>(v, c, i);
   if (threadIdx.x == 0) lamport_advance<CudaMem>(v, c, static_cast<uint32_t>(n));
   return c.buffer;
 }
@@ -92,8 +111,9 @@ __device__ __forceinline__ int lamport_exchange_with(const ChannelView& v, const
 template <int kThreads, class Reduce>
 __device__ __forceinline__ bool lamport_exchange(const ChannelView& v, const CallTag& tag,
                                                  const Pack* __restrict__ in, size_t n, Reduce reduce) {
-  const auto push = [&](const LamportCall& c, size_t i) { lamport_push<CudaMem>(v, c, i, in[i]); };
-  return lamport_exchange_with<kThreads>(v, tag, n, push, [&](size_t i) { return in[i]; }, reduce) >= 0;
+  const auto load = [&](size_t i) { return in[i]; };
+  const auto push = [&](const LamportCall& c, size_t i, const Pack& x) { lamport_push<CudaMem>(v, c, i, x); };
+  return lamport_exchange_with<kThreads>(v, tag, n, load, push, load, reduce) >= 0;
 }
 
 }  // namespace b12x

@@ -1,0 +1,143 @@
+"""Where a loopback call's microseconds go, on one GPU (docs/DESIGN.md,
+"Loopback"): the FFI and the Triton all_reduce and their two floors
+(loopback_kernels.py: the protocol-free exchange of the same bytes, an FFI
+call of one empty kernel), each one executable of `--ops` chained calls,
+float32. Per op: the wall time (median of `--iters`, per_op_us) and, from
+Nsight Compute, each kernel's own duration on the GPU; wall minus kernel is
+what XLA's CUDA graph spends between kernels.
+
+The kernel durations come from a run of this script under ncu that runs
+each executable once (`--profile`, 8 ops each), written as CSV and read
+back with `--kernels`:
+
+  ncu --clock-control none --graph-profiling node --metrics gpu__time_duration.sum \
+      -k regex:'lamport|empty_kernel|floor_exchange' --csv python benchmarks/breakdown.py --profile > k.csv
+  python benchmarks/breakdown.py --kernels k.csv [--backends]
+
+`--backends` adds the launch floor of a trivial kernel on each Pallas GPU
+backend (Triton, Mosaic GPU), the measure by which a move off the
+deprecated Pallas Triton backend is judged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import sys
+
+import jax
+import numpy as np
+from _common import per_op_us, size_label
+from loopback_kernels import chained, empty_ffi_call, exchange_floor, put, random
+
+import b12x_jax
+
+# The kernel each executable launches, as ncu names it.
+KERNELS = {"ffi": "lamport_all_reduce", "triton": "b12x_all_reduce_lamport", "floor": "floor_exchange",
+           "empty ffi": "empty_kernel"}
+
+
+def kernel_us(path: str) -> dict[str, list[float]]:
+  """Each kind's kernel durations in us, in launch order, from ncu's CSV at
+  ``path`` (of a `--profile` run)."""
+  rows = [r for r in csv.DictReader(line for line in open(path) if line.startswith('"'))
+          if r["Metric Name"] == "gpu__time_duration.sum"]
+  scale = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "nsecond": 1e-3}
+  runs = collections.defaultdict(list)  # kernel -> [durations], in launch order
+  for r in rows:
+    kind = next((k for k, name in KERNELS.items() if name in r["Kernel Name"]), None)
+    if kind is not None:
+      runs[kind].append(float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]])
+  return runs
+
+
+def executables(mesh, size: int, ops: int, rng):
+  """(kind, jitted fn, argument) for the four executables at ``size``."""
+  x = put(mesh, random(rng, size, "float32"))
+  words = jax.numpy.asarray(rng.standard_normal(size // 4).astype(np.float32).view(np.int32))
+  return [("ffi", chained(mesh, ops), x), ("triton", chained(mesh, ops), x),
+          ("floor", exchange_floor(size // 4, ops), words), ("empty ffi", empty_ffi_call(ops), words)]
+
+
+def backend_floors(ops: int, iters: int) -> dict[str, str]:
+  """us per op of a trivial kernel (x + 1 on 1024 float32) on each Pallas
+  GPU backend, ``ops`` chained in one executable, result checked: the
+  launch floor a kernel of that backend cannot go below (docs/DESIGN.md,
+  "Triton kernels"). A backend that fails says why instead."""
+  from jax.experimental import pallas as pl
+
+  def add_one(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1.0
+
+  def params(backend: str):
+    if backend == "pallas triton":
+      from jax.experimental.pallas import triton as plt
+      return plt.CompilerParams(num_warps=4, num_stages=1)
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu.CompilerParams()
+
+  x = jax.numpy.arange(1024, dtype=np.float32)
+  out = {}
+  for backend in ("pallas triton", "mosaic gpu"):
+    try:
+      compiler_params = params(backend)
+
+      def body(v, compiler_params=compiler_params):
+        for _ in range(ops):
+          v = pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
+                             compiler_params=compiler_params)(v)
+        return v
+      fn = jax.jit(body)
+      assert np.array_equal(np.asarray(fn(x)), np.arange(1024, dtype=np.float32) + ops), backend
+      out[backend] = f"{per_op_us(lambda: fn(x), ops, iters):.2f}"
+    except Exception as e:  # noqa: BLE001 - one backend's failure must not hide the other's number
+      out[backend] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+  return out
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--sizes", default="4096,65536", help="payload bytes, comma-separated")
+  parser.add_argument("--ops", type=int, default=256)
+  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--profile", action="store_true", help="run each executable once (under ncu), no timing")
+  parser.add_argument("--kernels", help="ncu's CSV of a --profile run: print each kernel's duration beside")
+  parser.add_argument("--backends", action="store_true", help="also the launch floor of each Pallas GPU backend")
+  args = parser.parse_args()
+  if jax.default_backend() != "gpu":
+    sys.exit("breakdown.py needs a GPU")
+  sizes = [int(s) for s in args.sizes.split(",")]
+  ops = 8 if args.profile else args.ops
+  runs = kernel_us(args.kernels) if args.kernels else {}
+  mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
+  rng = np.random.default_rng(0)
+  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, loopback, float32, {ops} chained ops")
+  print(f"{'size':>8} {'kind':>10} {'wall us':>8} {'kernel us':>10} {'between':>8}")
+  for index, size in enumerate(sizes):
+    for kind, fn, x in executables(mesh, size, ops, rng):
+      comm = b12x_jax.Communicator(loopback=True, kernels="triton" if kind == "triton" else "ffi")
+      b12x_jax.get_communicator().close()
+      b12x_jax.set_communicator(comm)
+      with b12x_jax.channel(f"breakdown-{kind.replace(' ', '-')}"):
+        if args.profile:
+          for _ in range(2):  # a warm run, then the profiled one
+            jax.block_until_ready(fn(x))
+        else:
+          wall = per_op_us(lambda: fn(x), ops, args.iters)
+      comm.check_errors()
+      comm.close()
+      if args.profile:
+        continue
+      # A --profile run launches each kind 2 x 8 times per size, sizes in order: this size's profiled 8.
+      mine = runs.get(kind, [])[16 * index + 8:16 * index + 16]
+      kernel = float(np.median(mine)) if mine else float("nan")
+      print(f"{size_label(size):>8} {kind:>10} {wall:8.2f} {kernel:10.2f} {wall - kernel:8.2f}")
+  if args.backends and not args.profile:
+    print(f"\na trivial kernel (x + 1, 1024 float32), {ops} chained, us per op")
+    for backend, result in backend_floors(ops, args.iters).items():
+      print(f"{backend:>14} {result}")
+
+
+if __name__ == "__main__":
+  main()
