@@ -97,10 +97,11 @@ def backend_floors(ops: int, iters: int) -> dict[str, str]:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--sizes", default="4096,65536", help="payload bytes, comma-separated")
-  parser.add_argument("--ops", type=int, default=256)
-  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--ops", type=int, default=256, help="chained calls per executable")
+  parser.add_argument("--iters", type=int, default=20, help="timed runs (the median is reported)")
   parser.add_argument("--profile", action="store_true", help="run each executable once (under ncu), no timing")
   parser.add_argument("--kernels", help="ncu's CSV of a --profile run: print each kernel's duration beside")
   parser.add_argument("--backends", action="store_true", help="also the launch floor of each Pallas GPU backend")
