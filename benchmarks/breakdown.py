@@ -102,6 +102,7 @@ def main() -> None:
   parser.add_argument("--sizes", default="4096,65536", help="payload bytes, comma-separated")
   parser.add_argument("--ops", type=int, default=256, help="chained calls per executable")
   parser.add_argument("--iters", type=int, default=20, help="timed runs (the median is reported)")
+  parser.add_argument("--kinds", default=",".join(KERNELS), help="which executables, comma-separated")
   parser.add_argument("--profile", action="store_true", help="run each executable once (under ncu), no timing")
   parser.add_argument("--kernels", help="ncu's CSV of a --profile run: print each kernel's duration beside")
   parser.add_argument("--backends", action="store_true", help="also the launch floor of each Pallas GPU backend")
@@ -117,6 +118,8 @@ def main() -> None:
   print(f"{'size':>8} {'kind':>10} {'wall us':>8} {'kernel us':>10} {'between':>8}")
   for index, size in enumerate(sizes):
     for kind, fn, x in executables(mesh, size, ops, rng):
+      if kind not in args.kinds.split(","):
+        continue
       comm = b12x_jax.Communicator(loopback=True, kernels="triton" if kind == "triton" else "ffi")
       b12x_jax.get_communicator().close()
       b12x_jax.set_communicator(comm)

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# What each safety step of the FFI Lamport all_reduce costs (docs/DESIGN.md,
+# "Lamport"): scratch builds of a copy of the tree, each with one step taken
+# out by an edit of ffi/cuda/, timed through loopback by breakdown.py (FFI
+# kernel only). A scratch build is wrong by design (no tag check, no bound,
+# no refill): it is installed only for its own timing, and the tree's own
+# build is installed again at the end. On one GPU:
+#   bash benchmarks/ablate.sh [sizes, default 4096,65536]
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+WORK=${ABLATE_DIR:-/tmp/b12x_ablate}
+PY=${PYTHON:-python3}
+SIZES=${1:-4096,65536}
+L=ffi/cuda/lamport.cuh
+# name | file | sed expression (each must change its file)
+VARIANTS=(
+  "as built|$L|"
+  "no tag (header neither pushed nor polled)|$L|s/if (threadIdx.x == header_thread) lamport_push_header<CudaMem>(v, c);//; s/if (exchanges_with(v, q) \&\& !await(q, \[\&\] { return lamport_header_state<CudaMem>(v, c, q); })) break;/(void)q;/"
+  "no bound (polls without clock, deadline or peer poison)|$L|s/(spins \& 63) == 0 ? poll_peer<CudaMem>(v, q, c.call + 1u, deadline, probe) : probe()/probe()/; s/deadline_from_now<CudaMem>(v, start.served == 0)/Deadline{}/"
+  "no halt check (poison, generation)|$L|s/failed = lamport_halted<CudaMem>(v, s) ? 1 : 0;/failed = 0;/"
+  "no refill|$L|s/for (size_t i = first; i < lamport_refill_packs(c); i += kThreads) lamport_refill<CudaMem>(v, c, i);//"
+  "no tag, no bound, no halt check together|$L|s/if (threadIdx.x == header_thread) lamport_push_header<CudaMem>(v, c);//; s/if (exchanges_with(v, q) \&\& !await(q, \[\&\] { return lamport_header_state<CudaMem>(v, c, q); })) break;/(void)q;/; s/(spins \& 63) == 0 ? poll_peer<CudaMem>(v, q, c.call + 1u, deadline, probe) : probe()/probe()/; s/deadline_from_now<CudaMem>(v, start.served == 0)/Deadline{}/; s/failed = lamport_halted<CudaMem>(v, s) ? 1 : 0;/failed = 0;/"
+  "128 threads a block, not 512|ffi/cuda/all_reduce.cu|s/constexpr int kThreads = 512;/constexpr int kThreads = 128;/"
+)
+for variant in "${VARIANTS[@]}"; do
+  IFS='|' read -r name file edit <<<"$variant"
+  rm -rf "$WORK" && mkdir -p "$WORK"
+  cp -r "$ROOT"/{ffi,b12x_jax,benchmarks,CMakeLists.txt,pyproject.toml,README.md,LICENSE} "$WORK"
+  if [ -n "$edit" ]; then
+    sed -i "$edit" "$WORK/$file"
+    if cmp -s "$ROOT/$file" "$WORK/$file"; then echo "== $name: the edit did not apply"; exit 1; fi
+  fi
+  echo "== $name"
+  $PY -m pip install -q --no-build-isolation --no-deps -e "$WORK" >"$WORK/build.log" 2>&1 || { tail -20 "$WORK/build.log"; exit 1; }
+  (cd "$WORK/benchmarks" && $PY breakdown.py --kinds ffi --sizes "$SIZES" --iters 15 2>&1 | grep -E "^ +[0-9]+ (KiB|MiB)")
+done
+$PY -m pip install -q --no-build-isolation --no-deps -e "$ROOT" >/dev/null 2>&1
