@@ -64,35 +64,43 @@ def backend_floors(ops: int, iters: int) -> dict[str, str]:
   """us per op of a trivial kernel (x + 1 on 1024 float32) on each Pallas
   GPU backend, ``ops`` chained in one executable, result checked: the
   launch floor a kernel of that backend cannot go below (docs/DESIGN.md,
-  "Triton kernels"). A backend that fails says why instead."""
+  "Triton kernels"). Mosaic GPU is tried two ways (jax 0.11's pallas_call
+  of that backend, with blocks in shared memory, and ``plgpu.kernel`` on
+  global refs). A way that fails says why instead."""
   from jax.experimental import pallas as pl
 
   def add_one(x_ref, o_ref):
     o_ref[...] = x_ref[...] + 1.0
 
-  def params(backend: str):
-    if backend == "pallas triton":
-      from jax.experimental.pallas import triton as plt
-      return plt.CompilerParams(num_warps=4, num_stages=1)
+  def pallas_triton(v):
+    from jax.experimental.pallas import triton as plt
+    return pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
+                          compiler_params=plt.CompilerParams(num_warps=4, num_stages=1))(v)
+
+  def mosaic_pallas_call(v):
+    from jax._src.pallas.mosaic_gpu.pallas_call import pallas_call  # jax 0.11: not public
+    spec = pl.BlockSpec(v.shape, lambda: (0,))
+    return pallas_call(add_one, out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype), in_specs=[spec],
+                       out_specs=spec)(v)
+
+  def mosaic_kernel(v):
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    return plgpu.CompilerParams()
+    return plgpu.kernel(add_one, out_type=jax.ShapeDtypeStruct(v.shape, v.dtype))(v)
 
   x = jax.numpy.arange(1024, dtype=np.float32)
   out = {}
-  for backend in ("pallas triton", "mosaic gpu"):
+  for name, op in (("pallas triton", pallas_triton), ("mosaic gpu, pallas_call", mosaic_pallas_call),
+                   ("mosaic gpu, kernel", mosaic_kernel)):
     try:
-      compiler_params = params(backend)
-
-      def body(v, compiler_params=compiler_params):
+      def body(v, op=op):
         for _ in range(ops):
-          v = pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
-                             compiler_params=compiler_params)(v)
+          v = op(v)
         return v
       fn = jax.jit(body)
-      assert np.array_equal(np.asarray(fn(x)), np.arange(1024, dtype=np.float32) + ops), backend
-      out[backend] = f"{per_op_us(lambda: fn(x), ops, iters):.2f}"
-    except Exception as e:  # noqa: BLE001 - one backend's failure must not hide the other's number
-      out[backend] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+      assert np.array_equal(np.asarray(fn(x)), np.arange(1024, dtype=np.float32) + ops), name
+      out[name] = f"{per_op_us(lambda: fn(x), ops, iters):.2f}"
+    except Exception as e:  # noqa: BLE001 - one way's failure must not hide the others' numbers
+      out[name] = f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
   return out
 
 
@@ -140,7 +148,7 @@ def main() -> None:
   if args.backends and not args.profile:
     print(f"\na trivial kernel (x + 1, 1024 float32), {ops} chained, us per op")
     for backend, result in backend_floors(ops, args.iters).items():
-      print(f"{backend:>14} {result}")
+      print(f"{backend:>24} {result}")
 
 
 if __name__ == "__main__":
