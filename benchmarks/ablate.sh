@@ -6,6 +6,7 @@
 # no refill): it is installed only for its own timing, and the tree's own
 # build is installed again at the end. On one GPU:
 #   bash benchmarks/ablate.sh [sizes, default 4096,65536]
+# (ABLATE_ONLY: an extended regular expression; only the builds it matches)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${ABLATE_DIR:-/tmp/b12x_ablate}
@@ -20,10 +21,12 @@ VARIANTS=(
   "no halt check (poison, generation)|$L|s/failed = lamport_halted<CudaMem>(v, s) ? 1 : 0;/failed = 0;/"
   "no refill|$L|s/for (size_t i = first; i < lamport_refill_packs(c); i += kThreads) lamport_refill<CudaMem>(v, c, i);//"
   "no tag, no bound, no halt check together|$L|s/if (threadIdx.x == header_thread) lamport_push_header<CudaMem>(v, c);//; s/if (exchanges_with(v, q) \&\& !await(q, \[\&\] { return lamport_header_state<CudaMem>(v, c, q); })) break;/(void)q;/; s/(spins \& 63) == 0 ? poll_peer<CudaMem>(v, q, c.call + 1u, deadline, probe) : probe()/probe()/; s/deadline_from_now<CudaMem>(v, start.served == 0)/Deadline{}/; s/failed = lamport_halted<CudaMem>(v, s) ? 1 : 0;/failed = 0;/"
+  "the exchange alone (store, poll, reset; no start words, barrier, tag, bound, refill, advance)|ffi/cuda/all_reduce.cu|/const Slice s = block_slice(blockIdx.x, plan.per_block, plan.packs);/a\\  if (true) { for (size_t i = threadIdx.x; i < s.n; i += kThreads) { Pack* cell = reinterpret_cast<Pack*>(v.lamport[v.rank] + v.lamport_layout.cell_offset(0, 0, blockIdx.x)) + i; CudaMem::store_pack(cell, in[s.lo + i]); Pack y; do { y = CudaMem::load_volatile(cell); } while (!lamport_arrived(y)); out[s.lo + i] = y; CudaMem::store_pack(cell, lamport_empty_pack()); } return; }"
   "128 threads a block, not 512|ffi/cuda/all_reduce.cu|s/constexpr int kThreads = 512;/constexpr int kThreads = 128;/"
 )
 for variant in "${VARIANTS[@]}"; do
   IFS='|' read -r name file edit <<<"$variant"
+  if [ -n "${ABLATE_ONLY:-}" ] && ! grep -Eq "$ABLATE_ONLY" <<<"$name"; then continue; fi
   rm -rf "$WORK" && mkdir -p "$WORK"
   cp -r "$ROOT"/{ffi,b12x_jax,benchmarks,CMakeLists.txt,pyproject.toml,README.md,LICENSE} "$WORK"
   if [ -n "$edit" ]; then
