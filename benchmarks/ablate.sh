@@ -6,11 +6,15 @@
 # no refill): it is installed only for its own timing, and the tree's own
 # build is installed again at the end. On one GPU:
 #   bash benchmarks/ablate.sh [sizes, default 4096,65536]
+# or, without a GPU: bash benchmarks/ablate.sh --check (every edit applies;
+# the all_reduce kernels of each build compile where nvcc is here)
 # (ABLATE_ONLY: an extended regular expression; only the builds it matches)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${ABLATE_DIR:-/tmp/b12x_ablate}
 PY=${PYTHON:-python3}
+CHECK=0
+if [ "${1:-}" = --check ]; then CHECK=1; shift; fi
 SIZES=${1:-4096,65536}
 L=ffi/cuda/lamport.cuh
 # name | file | sed expression (each must change its file)
@@ -33,8 +37,17 @@ for variant in "${VARIANTS[@]}"; do
     sed -i "$edit" "$WORK/$file"
     if cmp -s "$ROOT/$file" "$WORK/$file"; then echo "== $name: the edit did not apply"; exit 1; fi
   fi
+  if [ "$CHECK" = 1 ]; then
+    if command -v nvcc >/dev/null && [ -n "$edit" ]; then
+      nvcc -std=c++17 -arch=sm_90 -ptx -I "$WORK/ffi" -isystem "$($PY -c 'import jax.ffi; print(jax.ffi.include_dir())')" \
+        "$WORK/ffi/cuda/all_reduce.cu" -o "$WORK/check.ptx" >"$WORK/check.log" 2>&1 \
+        || { tail -20 "$WORK/check.log"; echo "== $name: does not compile"; exit 1; }
+    fi
+    echo "== $name: applies"
+    continue
+  fi
   echo "== $name"
   $PY -m pip install -q --no-build-isolation --no-deps -e "$WORK" >"$WORK/build.log" 2>&1 || { tail -20 "$WORK/build.log"; exit 1; }
   (cd "$WORK/benchmarks" && $PY breakdown.py --kinds ffi --sizes "$SIZES" --iters 15 2>&1 | grep -E "^ +[0-9]+ (KiB|MiB)")
 done
-$PY -m pip install -q --no-build-isolation --no-deps -e "$ROOT" >/dev/null 2>&1
+if [ "$CHECK" = 0 ]; then $PY -m pip install -q --no-build-isolation --no-deps -e "$ROOT" >/dev/null 2>&1; fi

@@ -43,6 +43,18 @@ def test_help_shows_every_default(script):
   assert len(re.findall(r"\(default:\s", proc.stdout)) == len(options), proc.stdout
 
 
+def test_every_scratch_build_of_the_ablation_applies_to_this_tree_and_compiles(tmp_path):
+  """benchmarks/ablate.sh edits ffi/cuda/ by pattern: an edit that no longer
+  matches the sources would time the unedited kernel under its name."""
+  script = os.path.join(ROOT, "benchmarks", "ablate.sh")
+  with open(script) as f:
+    builds = re.findall(r'^  "([^|]+)\|', f.read(), flags=re.M)
+  proc = subprocess.run(["bash", script, "--check"], capture_output=True, text=True, timeout=600,
+                        env={**os.environ, "PYTHON": sys.executable, "ABLATE_DIR": str(tmp_path / "ablate")})
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+  assert len(builds) >= 7 and re.findall(r"^== (.*): applies$", proc.stdout, flags=re.M) == builds, proc.stdout
+
+
 @pytest.mark.parametrize("example", ["dcp_decode.py", "speculative_decoding.py"])
 def test_timing_examples_say_cpu_timings_measure_the_emulation(example):
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", example), "--help"], capture_output=True,
