@@ -67,8 +67,8 @@ __global__ void __launch_bounds__(kThreads)
     fill_nan(residual_out + lo, n);
     return;
   }
-  // lamport_exchange ended with a block barrier: every thread's residual_out
-  // stores are visible to the whole block.
+  // lamport_exchange met at a block barrier after its polls: every thread's
+  // residual_out stores are visible to the whole block.
   for (int r = 0; r < rows; ++r) {
     const Pack* row = residual_out + lo + static_cast<size_t>(r) * s.row_packs;
     float squares = 0.0f;
