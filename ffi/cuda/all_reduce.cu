@@ -38,7 +38,7 @@ __global__ void __launch_bounds__(kThreads)
   tag = placed_tag(tag, placement, v.rank);
   // A failed channel fails fast (C8), leaving NaN, never a stale result.
   const AllReduceBlock b{v, plan, block, next_epoch<CudaMem>(v, block), in, out};
-  if (view_halted<CudaMem>(v)) return fill_nan_outputs(b, BlockThreads{});
+  if (block_halted(v)) return fill_nan_outputs(b, BlockThreads{});
   one_shot_stage<kPull>(b, BlockThreads{});
   if (!block_barrier(v, block, b.epoch, tag)) return fill_nan_outputs(b, BlockThreads{});
   one_shot_reduce<CudaMem, D, kPull>(b, BlockThreads{});
@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kThreads)
   const int block = blockIdx.x;
   tag = placed_tag(tag, placement, v.rank);
   const AllReduceBlock b{v, plan, block, next_epoch<CudaMem>(v, block), in, out};
-  if (view_halted<CudaMem>(v)) return fill_nan_outputs(b, BlockThreads{});
+  if (block_halted(v)) return fill_nan_outputs(b, BlockThreads{});
   two_shot_scatter(b, BlockThreads{});
   if (!block_barrier(v, block, b.epoch, tag)) return fill_nan_outputs(b, BlockThreads{});
   two_shot_reduce<CudaMem, D>(b, BlockThreads{});

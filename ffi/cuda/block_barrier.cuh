@@ -8,6 +8,19 @@
 
 namespace b12x {
 
+// Whether the block must leave NaN at once (protocol.h view_halted), decided
+// by thread 0 for every thread: threads that read the poison word apart may
+// see it before and after another block sets it, and a block that went on
+// in part would announce a call whose staging its departed threads never
+// wrote, so a peer would sum stale cells. Every thread of the block must
+// call it.
+__device__ __forceinline__ bool block_halted(const ChannelView& v) {
+  __shared__ int halted;
+  if (threadIdx.x == 0) halted = view_halted<CudaMem>(v) ? 1 : 0;
+  __syncthreads();
+  return halted != 0;
+}
+
 // Block `block` of this rank meets block `block` of every peer at `epoch` of
 // call `tag`: thread t serves peer t, announcing after every push of the
 // block was issued, then waiting (bounded, C8) for the peer's announcement

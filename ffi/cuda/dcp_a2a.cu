@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kThreads)
   const int row_packs = s.row_packs;
   const int lo = block * plan.per_block;
   const int n = lo < s.rows() ? min(plan.per_block, s.rows() - lo) : 0;
-  if (view_halted<CudaMem>(v)) return fill_failed(s, lo, n, out, out_lse);  // a timed-out channel fails fast
+  if (block_halted(v)) return fill_failed(s, lo, n, out, out_lse);  // a timed-out channel fails fast
   const uint32_t epoch = next_epoch<CudaMem>(v, block);
   const int slot = epoch & 1;
   const DcpCell cell{plan.per_block, row_packs};
