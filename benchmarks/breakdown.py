@@ -142,7 +142,11 @@ def main() -> None:
       if args.profile:
         continue
       # A --profile run launches each kind 2 x 8 times per size, sizes in order: this size's profiled 8.
-      mine = runs.get(kind, [])[16 * index + 8:16 * index + 16]
+      launches = runs.get(kind, [])
+      if args.kernels and len(launches) != 16 * len(sizes):
+        sys.exit(f"{args.kernels} holds {len(launches)} launches of the {kind} kernel, not 16 per size of "
+                 f"{args.sizes}: profile with the same --sizes and --kinds")
+      mine = launches[16 * index + 8:16 * index + 16]
       kernel = float(np.median(mine)) if mine else float("nan")
       print(f"{size_label(size):>8} {kind:>10} {wall:8.2f} {kernel:10.2f} {wall - kernel:8.2f}")
   if args.backends and not args.profile:
