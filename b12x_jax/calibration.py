@@ -2,7 +2,8 @@
 one-shot, two-shot and psum on this machine and stores where they take
 over, for ``tuning.crossover_for`` to read. Beside the op's import graph,
 not inside it: it imports the op it measures, which imports only tuning's
-lookup. Also the one timing method of every benchmark (``per_op_us``)."""
+lookup. Also the one timing method of every benchmark (``per_op_us``, and
+``paired_per_op_us`` for executables compared with each other)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,34 @@ def per_op_us(run: Callable[[], object], ops: int, iters: int, warmup: int = 5, 
     jax.block_until_ready(run())
     times.append(time.perf_counter() - start)
   return float(np.median(times)) / ops * 1e6
+
+
+def paired_per_op_us(runs: dict[str, Callable[[], object]], ops: int, iters: int, warmup: int = 5,
+                     warmup_s: float = 0.2) -> dict[str, float]:
+  """per_op_us of several executables timed in turn: each of ``iters``
+  rounds times one run of every one, so a change of the GPU's clocks
+  between rounds falls on all of them alike, where timings taken one after
+  the other (seconds apart) differ by it. Returns each one's median per op
+  under its name, and, for the first name ``b`` and each other ``a``, the
+  median of their per-round differences under ``"a - b"`` (a paired
+  difference: steadier than the difference of two medians)."""
+  import jax
+  import numpy as np
+  warm_until, warmed = time.perf_counter() + warmup_s, 0
+  while warmed < warmup or time.perf_counter() < warm_until:
+    for run in runs.values():
+      jax.block_until_ready(run())
+    warmed += 1
+  times: dict[str, list[float]] = {name: [] for name in runs}
+  for _ in range(iters):
+    for name, run in runs.items():
+      start = time.perf_counter()
+      jax.block_until_ready(run())
+      times[name].append((time.perf_counter() - start) / ops * 1e6)
+  base, *others = runs
+  out = {name: float(np.median(t)) for name, t in times.items()}
+  out.update({f"{name} - {base}": float(np.median(np.subtract(times[name], times[base]))) for name in others})
+  return out
 
 
 def crossovers_from(times: dict[int, dict[str, float]]) -> tuple[int | None, int | None]:

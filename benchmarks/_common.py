@@ -1,10 +1,11 @@
 """What the benchmarks here share: per-op time of an executable of chained
 collectives, measured one way for every column, every script and the
-calibration (b12x_jax.calibration.per_op_us); the GPU count; size labels."""
+calibration (b12x_jax.calibration.per_op_us, paired_per_op_us); the GPU count;
+size labels."""
 
 from __future__ import annotations
 
-from b12x_jax.calibration import per_op_us  # noqa: F401 - the one timing method, shared with calibration
+from b12x_jax.calibration import paired_per_op_us, per_op_us  # noqa: F401 - shared with calibration
 
 
 def add_timing_arguments(parser, devices: bool = True) -> None:

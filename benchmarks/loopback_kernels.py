@@ -5,17 +5,19 @@ buffers, polls, sum, refill), so both kernel kinds are timed in one run.
 
 Each measurement is one executable of `--ops` chained all_reduces (each
 consumes the previous result) of float32 or bfloat16, the median per op
-over `--iters` runs (b12x_jax.calibration.per_op_us). Before timing, every size
+over `--iters` runs. Before timing, every size
 and dtype is checked: the result of a loopback all_reduce is its input, bit
 for bit, and the epoch advances once per call; then FFI and Triton calls
 interleave on one channel (float32 takes the Triton kernel, float16 the
-FFI one). Beside them, in the same run, two floors: a protocol-free
-exchange of the same bytes launched as the Triton kernel is (stores,
-bounded polls, reset; nothing else), and an FFI call that launches one
-empty kernel. Then the fused all_reduce + residual + RMSNorm, bfloat16, chained
-(each call's normed output and new residual feed the next), on each kernel
+FFI one). Each kernel is timed beside its floor, one run of each in turn
+(b12x_jax.calibration.paired_per_op_us: a drift of the GPU's clocks falls
+on both, and the difference is the median of the rounds' differences):
+the Triton kernel beside a protocol-free exchange of the same bytes
+launched as it is (stores, bounded polls, reset; nothing else), the FFI
+kernel beside an FFI call that launches one empty kernel. Then the fused
+all_reduce + residual + RMSNorm, bfloat16, chained (each call's normed output and new residual feed the next), on each kernel
 kind, against all_reduce on the same kind followed by the add and the norm
-in jnp, at hidden 4096 and 8192 and 1, 8 and 64 rows (outputs checked
+in jnp (the two timed in turn), at hidden 4096 and 8192 and 1, 8 and 64 rows (outputs checked
 against float64 first). Last, dcp_a2a in the Lamport window, bfloat16,
 chained (each merge's output is the next one's input), at decode shapes
 B x H x D: through loopback the merge of one source gives back its input,
@@ -33,7 +35,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import add_and_norm, add_timing_arguments, per_op_us, size_label
+from _common import add_and_norm, add_timing_arguments, paired_per_op_us, per_op_us, size_label
 from jax.sharding import PartitionSpec as P
 
 import b12x_jax
@@ -128,9 +130,10 @@ def time_fused(mesh, kernels: str, args, rng) -> dict[tuple[int, int], dict[str,
       r = new_residual.astype(np.float64)
       want = r / np.sqrt(np.mean(r * r, -1, keepdims=True) + 1e-6) * weight.astype(np.float64)
       assert np.allclose(normed.astype(np.float64), want, rtol=2e-2, atol=2e-2), (kernels, rows, hidden)
-      times[rows, hidden] = {f"{name} {kernels}": per_op_us(lambda: fn(*args_on), args.ops, args.iters)
-                             for name, fn in (("fused", chained_fused(mesh, args.ops, True)),
-                                              ("unfused", chained_fused(mesh, args.ops, False)))}
+      fused, unfused = chained_fused(mesh, args.ops, True), chained_fused(mesh, args.ops, False)
+      paired = paired_per_op_us({"unfused": lambda: unfused(*args_on), "fused": lambda: fused(*args_on)}, args.ops,
+                                args.iters)
+      times[rows, hidden] = {f"{name} {kernels}": paired[name] for name in ("fused", "unfused")}
   return times
 
 
@@ -251,16 +254,24 @@ def empty_ffi_call(ops: int):
   return jax.jit(body)
 
 
-def time_floors(nbytes: int, args, rng) -> dict[str, float]:
-  """us per op of the exchange floor (checked: it returns its input, bit for
-  bit, three times) and of the empty FFI call, at ``nbytes``."""
+def checked_floor(nbytes: int, ops: int, rng):
+  """``ops`` chained exchange floors of ``nbytes``, once checked (one floor
+  returns its input, bit for bit, three times), and an input for them."""
   words = nbytes // 4
   x = jnp.asarray(rng.standard_normal(words).astype(np.float32).view(np.int32))
   one = exchange_floor(words, 1)
   for _ in range(3):
     assert np.array_equal(np.asarray(one(x)), np.asarray(x)), nbytes
-  floor, empty = exchange_floor(words, args.ops), empty_ffi_call(args.ops)
-  return {"floor": per_op_us(lambda: floor(x), args.ops, args.iters),
+  floor = exchange_floor(words, ops)
+  return lambda: floor(x)
+
+
+def time_floors(nbytes: int, args, rng) -> dict[str, float]:
+  """us per op of the exchange floor (checked_floor) and of the empty FFI
+  call, at ``nbytes``."""
+  x = jnp.asarray(rng.standard_normal(nbytes // 4).astype(np.float32))
+  empty = empty_ffi_call(args.ops)
+  return {"floor": per_op_us(checked_floor(nbytes, args.ops, rng), args.ops, args.iters),
           "empty ffi": per_op_us(lambda: empty(x), args.ops, args.iters)}
 
 
@@ -279,6 +290,7 @@ def main() -> None:
   times: dict[tuple[str, int], dict[str, float]] = {(d, size): {} for d in DTYPES for size in SIZES}
   fused: dict[tuple[int, int], dict[str, float]] = {shape: {} for shape in FUSED_SHAPES}
   dcp: dict[tuple[int, int, int], dict[str, float]] = {shape: {} for shape in DCP_SHAPES}
+  floors = {}  # size -> the checked floor's run
   for kernels in ("ffi", "triton"):
     comm = b12x_jax.Communicator(loopback=True, kernels=kernels)
     b12x_jax.get_communicator().close()
@@ -287,10 +299,18 @@ def main() -> None:
     if kernels == "triton":
       interleave(mesh, comm, rng)
     fn = chained(mesh, args.ops)
+    empty = empty_ffi_call(args.ops)
     with b12x_jax.channel(f"time-{kernels}"):
       for dtype, size in times:
         x = put(mesh, random(rng, size, dtype))
-        times[dtype, size][kernels] = per_op_us(lambda: fn(x), args.ops, args.iters)
+        if kernels == "ffi":
+          floor_name, floor = "empty ffi", lambda x=x: empty(x)
+        else:
+          if size not in floors:
+            floors[size] = checked_floor(size, args.ops, rng)
+          floor_name, floor = "floor", floors[size]
+        times[dtype, size].update(paired_per_op_us({floor_name: floor, kernels: lambda x=x: fn(x)}, args.ops,
+                                                   args.iters))
     if not args.skip_fused:
       for shape, row in time_fused(mesh, kernels, args, rng).items():
         fused[shape].update(row)
@@ -299,18 +319,16 @@ def main() -> None:
         dcp[shape][kernels] = t
     comm.check_errors()
     comm.close()
-  floors = {size: time_floors(size, args, rng) for size in SIZES}
-  for (dtype, size), t in times.items():
-    t.update(floors[size])
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, loopback, {args.ops} chained ops, "
         f"median of {args.iters}")
-  print("floor: a protocol-free exchange of the same bytes, launched as the Triton kernel; empty ffi: an FFI "
-        "call that launches one empty kernel")
+  print("floor: a protocol-free exchange of the same bytes, launched as the Triton kernel, timed in turn with "
+        "it; empty ffi: an FFI call that launches one empty kernel, timed in turn with the FFI kernel; "
+        "the differences: medians of the rounds' differences")
   print(f"{'dtype':>9} {'size':>8} {'ffi us':>8} {'triton us':>10} {'floor us':>9} {'empty ffi':>10} "
         f"{'triton-floor':>13} {'ffi-empty':>10}")
   for (dtype, size), t in times.items():
     print(f"{dtype:>9} {size_label(size):>8} {t['ffi']:8.2f} {t['triton']:10.2f} {t['floor']:9.2f} "
-          f"{t['empty ffi']:10.2f} {t['triton'] - t['floor']:13.2f} {t['ffi'] - t['empty ffi']:10.2f}")
+          f"{t['empty ffi']:10.2f} {t['triton - floor']:13.2f} {t['ffi - empty ffi']:10.2f}")
   if not args.skip_fused:
     print("\nall_reduce + residual + RMSNorm, bfloat16, us per op (unfused: all_reduce on the same kernel kind, "
           "then jnp)")

@@ -48,6 +48,27 @@ def test_per_op_us_warms_up_for_its_runs_and_seconds_then_takes_the_median_per_o
   assert us == pytest.approx(np.median([end - start for start, end in timed]) / 4 * 1e6, rel=0.2), us
 
 
+def test_paired_per_op_us_times_every_run_in_each_round_and_takes_the_median_of_their_differences():
+  import time
+  order = []  # which run ran, in turn
+
+  def sleeper(name, base_ms):
+    def run():
+      # Every round is slower than the last (a drifting clock): the paired
+      # difference stays 2 ms while each median moves with the drift.
+      rounds = order.count(name)
+      order.append(name)
+      time.sleep((base_ms + rounds) * 1e-3)
+      return np.zeros(1)
+    return run
+
+  us = calibration.paired_per_op_us({"floor": sleeper("floor", 1), "kernel": sleeper("kernel", 3)}, ops=2, iters=5,
+                                    warmup=2, warmup_s=0.0)
+  assert order[-10:] == ["floor", "kernel"] * 5, order
+  assert us["kernel - floor"] == pytest.approx(2e3 / 2, rel=0.25), us
+  assert us["kernel"] > us["floor"] + 0.5e3 and set(us) == {"floor", "kernel", "kernel - floor"}, us
+
+
 def _lowered(mesh, elems: int) -> str:
   fn = jax.jit(jax.shard_map(lambda x: b12x_jax.all_reduce(x, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
   return fn.lower(jax.ShapeDtypeStruct((2 * elems,), np.float32, sharding=NamedSharding(mesh, P("x")))).as_text()
