@@ -10,9 +10,10 @@
 // it trusts the data (docs/DESIGN.md, "The call tag").
 //
 // Reuse, per block b (each block only touches its own cells, as in the
-// barrier protocol): call k of block b uses buffer B(k) and, once it has
-// read that buffer, refills with "empty" the cells (and headers) of buffer
-// B(k - 1) it read in call k - 1. A peer writes buffer B(k - 1) of this rank
+// barrier protocol): call k of block b uses buffer B(k) and refills with
+// "empty" the cells (and headers) of buffer B(k - 1) it read in call k - 1,
+// at any point of call k (a backend overlaps the refill's stores with its
+// polls, or refills last). A peer writes buffer B(k - 1) of this rank
 // again in its call k + 2, which it starts only after reading this rank's
 // data of call k + 1, written after the refill in this rank's call order
 // (its stream on CUDA, its progress thread on the host). Buffer B(k + 1) is

@@ -164,28 +164,31 @@ B12X_HD PeerState check_arrival(const ChannelView& v, int block, int peer, uint3
 inline constexpr uint64_t kPeerPoisonGraceNs = 20000;
 
 // The bound of the waits of one call of one block, in 64-bit nanoseconds
-// (they do not wrap).
+// (they do not wrap). It counts from the waiter's first look at the clock,
+// in poll_peer, not from the start of the call: a GPU call whose data lands
+// within its first polls never reads %globaltimer, a read that the pushes
+// after it would otherwise wait for. The first look comes after at most 64
+// polls on CUDA (each one memory round trip) and at the first pending poll
+// on the host: a wait ends at most those polls later than its bound.
 struct Deadline {
-  uint64_t start_ns;
-  uint64_t end_ns;
+  uint64_t start_ns;  // 0 until poll_peer first looks at the clock
+  uint64_t bound_ns;
   bool first_call;
 };
 
-// The deadline of a call that starts now (DESIGN C8): the channel's
-// timeout, or, for a `first_call` (its block has not met its peers once on
-// a freshly prepared channel: Signal::served), the setup timeout. Processes
-// reach their first call seconds to minutes apart (compilation, autotuning,
-// weight loading), and that is no fault (docs/DESIGN.md, "Start-up skew").
-template <class Mem>
-B12X_HD Deadline deadline_from_now(const ChannelView& v, bool first_call) {
-  const uint64_t now = Mem::now_ns();
-  return Deadline{now, now + (first_call ? v.first_timeout_ns : v.timeout_ns), first_call};
+// The deadline of a call (DESIGN C8): the channel's timeout, or, for a
+// `first_call` (its block has not met its peers once on a freshly prepared
+// channel: Signal::served), the setup timeout. Processes reach their first
+// call seconds to minutes apart (compilation, autotuning, weight loading),
+// and that is no fault (docs/DESIGN.md, "Start-up skew").
+B12X_HD Deadline call_deadline(const ChannelView& v, bool first_call) {
+  return Deadline{0, first_call ? v.first_timeout_ns : v.timeout_ns, first_call};
 }
 
 // The same for `block`, from its served word.
 template <class Mem>
 B12X_HD Deadline wait_deadline(const ChannelView& v, int block) {
-  return deadline_from_now<Mem>(v, Mem::load_relaxed(&v.signals[v.rank]->served[block]) == 0);
+  return call_deadline(v, Mem::load_relaxed(&v.signals[v.rank]->served[block]) == 0);
 }
 
 // `block` of this rank met a peer: later calls are bounded by the timeout.
@@ -201,13 +204,14 @@ B12X_HD void mark_served(const ChannelView& v, int block) {
 // partners stop at once instead of serving out a timeout each, one after
 // the other.
 template <class Mem, class Probe>
-B12X_HD PeerState poll_peer(const ChannelView& v, int peer, uint32_t epoch, const Deadline& deadline, Probe probe) {
+B12X_HD PeerState poll_peer(const ChannelView& v, int peer, uint32_t epoch, Deadline& deadline, Probe probe) {
   PeerState state = probe();
   if (state != PeerState::kPending) return state;
   const uint64_t now = Mem::now_ns();
+  if (deadline.start_ns == 0) deadline.start_ns = now;
   const bool in_grace = now < deadline.start_ns + kPeerPoisonGraceNs;
   const bool gave_up = !in_grace && Mem::load_acquire(&v.signals[peer]->poisoned) != 0;
-  if (!gave_up && now <= deadline.end_ns) return PeerState::kPending;
+  if (!gave_up && now - deadline.start_ns <= deadline.bound_ns) return PeerState::kPending;
   state = probe();  // it announced before giving up
   if (state != PeerState::kPending) return state;
   record_failure<Mem>(v, kFailureTimeout, peer, epoch, gave_up, CallTag{}, CallTag{}, deadline.first_call);
@@ -219,8 +223,7 @@ B12X_HD PeerState poll_peer(const ChannelView& v, int peer, uint32_t epoch, cons
 // poisoned and the error naming rank, peer and epoch (and both calls on a
 // tag mismatch), on expiry, on another call, or when the peer gave up.
 template <class Mem>
-B12X_HD bool wait(const ChannelView& v, int block, int peer, uint32_t epoch, const CallTag& tag,
-                  const Deadline& deadline) {
+B12X_HD bool wait(const ChannelView& v, int block, int peer, uint32_t epoch, const CallTag& tag, Deadline deadline) {
   const auto probe = [&] { return check_arrival<Mem>(v, block, peer, epoch, tag); };
   for (uint32_t spins = 1;; ++spins) {
     // The clock and the peer's poison word cost more than a poll: look at

@@ -337,7 +337,6 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
   # Words others write (another block's failure, the host): at full width.
   poisoned = load(own_signal, sig_off["poisoned"], zero)
   generation = load(own_signal, sig_off["generation"], zero)
-  start = clock(poisoned | generation | (buffer | calls | previous_packs | served))  # after every read
   previous = jnp.where(buffer == 0, jnp.int32(2), buffer - 1)  # B(k - 1), cycling 0, 1, 2
   lowered_for = table[_GENERATION]
   # One reduction: 2 where the channel is not the one this program was
@@ -390,7 +389,31 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
     by_shape[chain.shape] = by_shape[chain.shape] | chain if chain.shape in by_shape else chain
   sink = functools.reduce(jnp.bitwise_or, [jnp.max(chain) for chain in by_shape.values()])
 
-  # 2. Poll every source's cell (the pad words too: every word refilled
+  # 2. Refill the cells and headers of B(k - 1) this block read in its
+  #    previous call (lamport.h lamport_refill): its stores overlap the
+  #    polls (any time in call k is before call k + 1's pushes, which is all
+  #    the reuse argument asks). Not in a halted call: it touches nothing.
+  sources = list(range(plan.world))
+  previous_words = previous_packs * 4
+
+  def refill_cond(carry):
+    return carry[0] * width < previous_words
+
+  def refill_body(carry):
+    chunk, acc = carry
+    words = chunk * width + lanes
+    for q in sources:
+      enabled = jnp.logical_and(jnp.logical_and(exchanges_with(q), go), words < previous_words)
+      acc = acc | store(own_lamport, cell_offset(previous, q) + 4 * words, jnp.full(control, empty, U32), enabled, acc)
+    return chunk + 1, acc
+
+  _, refilled = jax.lax.while_loop(refill_cond, refill_body, (jnp.int32(0), jnp.broadcast_to(sink, control)))
+  for q in sources:
+    enabled = jnp.logical_and(jnp.logical_and(exchanges_with(q), go), in_header)
+    refilled = refilled | store(own_lamport, header_offset(previous, q), jnp.full(control, empty, U32), enabled,
+                                refilled)
+
+  # 3. Poll every source's cell (the pad words too: every word refilled
   #    later must have arrived, none lands after the refill) and header of
   #    B(k) until no word is empty, bounded (protocol.h poll_peer): the
   #    deadline, or the peer's poison after the grace. Each poll ends on one
@@ -403,7 +426,6 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
   first_call = served == 0  # until the block met its peers once
   bound = jnp.where(first_call, table[_FIRST_TIMEOUT], table[_TIMEOUT])
   spin_bound = jnp.minimum(bound, _MAX_WAIT_UNITS // _SPINS_PER_UNIT) * _SPINS_PER_UNIT
-  sources = list(range(plan.world))
 
   def poll(it):
     dep = jnp.broadcast_to(it, control)
@@ -428,11 +450,16 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
       out = jnp.where(flags[q], jnp.int32(q), out)
     return out
 
-  def checked(it, cells, headers):
-    """(the peer the wait failed on, else -1; whether it gave up): past a
-    bound, the first pending peer; a pending peer whose poison word is set
-    (looked at after the grace), that one."""
-    elapsed = clock(jnp.broadcast_to(it, control) | cells[0]) - start
+  def checked(it, cells, headers, start):
+    """(the peer the wait failed on, else -1; whether it gave up; the clock
+    the bound counts from): past a bound, the first pending peer; a pending
+    peer whose poison word is set (looked at after the grace), that one.
+    The bound counts from the first check, as protocol.h poll_peer's from
+    its first look at the clock: a call whose data lands in its first polls
+    never reads the clock."""
+    now = clock(jnp.broadcast_to(it, control) | cells[0])
+    start = jnp.where(it == CHECK_EVERY - 1, now, start)
+    elapsed = now - start
     late = jnp.logical_or(any_(elapsed > bound), it > spin_bound)
     pending = [jnp.logical_and(exchanges_with(q), any_(empty_in(c, h))) for q, c, h in zip(sources, cells, headers)]
     look = elapsed > plan.grace_units
@@ -442,7 +469,7 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
             for q in sources]
     gave_up = functools.reduce(jnp.logical_or, gave)
     failed_peer = jnp.where(jnp.logical_or(late, gave_up), jnp.where(gave_up, first_of(gave), first_of(pending)), -1)
-    return failed_peer.astype(jnp.int32), gave_up.astype(jnp.int32)
+    return failed_peer.astype(jnp.int32), gave_up.astype(jnp.int32), start
 
   # Carries are int32, flags too: Pallas Triton mistypes bool loop values.
   def cond(carry):
@@ -455,19 +482,20 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
         for q, h in zip(sources, headers)]).astype(jnp.int32)
 
   def body(carry):
-    it = carry[0]
+    it, start = carry[0], carry[5]
     cells, headers = poll(it)
     code = state(cells, headers)
     # Another call's header is recorded whole: wait for its last words (bounded as any wait).
     partial = jax.lax.cond(code == 3, lambda: landing(headers), lambda: _scalars(it, 0)[0])
     waiting = jnp.logical_or(code == 2, partial > 0)
     check = jnp.logical_and(waiting, (it & (CHECK_EVERY - 1)) == CHECK_EVERY - 1)
-    failed_peer, gave_up = jax.lax.cond(check, lambda: checked(it, cells, headers), lambda: _scalars(it, -1, 0))
-    return (it + 1, waiting.astype(jnp.int32), failed_peer, gave_up, code, *(cells if as_polled else ()))
+    failed_peer, gave_up, start = jax.lax.cond(check, lambda: checked(it, cells, headers, start),
+                                               lambda: (*_scalars(it, -1, 0), start))
+    return (it + 1, waiting.astype(jnp.int32), failed_peer, gave_up, code, start, *(cells if as_polled else ()))
 
-  init = (sink, go.astype(jnp.int32), jnp.int32(-1), jnp.int32(0), jnp.int32(0),
+  init = (sink, go.astype(jnp.int32), jnp.int32(-1), jnp.int32(0), jnp.int32(0), zero,
           *([zero] * plan.world if as_polled else ()))
-  it, _, failed_peer, gave_up, code, *polled = jax.lax.while_loop(cond, body, init)
+  it, _, failed_peer, gave_up, code, _, *polled = jax.lax.while_loop(cond, body, init)
   gave_up = gave_up > 0
   timed_out = failed_peer >= 0
   if as_polled:
@@ -477,13 +505,13 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
                        jnp.broadcast_to(it, shape), shape=shape) for k, shape in enumerate(shapes))
              for q in sources]
 
-  # 3. A peer at another call.
+  # 4. A peer at another call.
   mismatch = jnp.logical_and(jnp.logical_and(go, jnp.logical_not(timed_out)), code == 3)
   exchanged = jnp.logical_and(go, jnp.logical_not(jnp.logical_or(timed_out, mismatch)))
   cells = [tuple(jnp.where(exchanges_with(q), c, jnp.zeros(c.shape, U32)) for c in cell)
            for q, cell in enumerate(cells)]
 
-  # 3b. A row over several programs (the fused op, plan.split > 1): they
+  # 4b. A row over several programs (the fused op, plan.split > 1): they
   #     meet on this rank's Signal and each sums the row's shares in program
   #     order (docs/DESIGN.md, "Triton kernels"). Every program meets, also
   #     one that failed: it sets its share's sign bit (a sum of squares never
@@ -529,7 +557,7 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
         jnp.max(jnp.where(lanes == t, shares & jnp.int32(0x7FFFFFFF), 0)), jnp.float32) for t in range(split)])
     sink = sink | put
 
-  # 4. A failure is recorded once per channel (the poison word's claim); a
+  # 5. A failure is recorded once per channel (the poison word's claim); a
   #    row whose programs did not all meet, where this program's own waits
   #    ended well, names this rank. Only a failing call reads what the
   #    record needs (the headers a peer wrote, the generation).
@@ -561,26 +589,7 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
   sink = sink | jax.lax.cond(record, record_failure, lambda: _scalars(it, 0)[0])
   done = jnp.logical_and(go, jnp.logical_not(jnp.logical_or(timed_out, mismatch)))
 
-  # 5. Refill the cells and headers of B(k - 1) this block read in its
-  #    previous call (lamport.h lamport_refill), then advance (lamport_advance).
-  previous_words = previous_packs * 4
-
-  def refill_cond(carry):
-    return carry[0] * width < previous_words
-
-  def refill_body(carry):
-    chunk, acc = carry
-    words = chunk * width + lanes
-    for q in sources:
-      enabled = jnp.logical_and(jnp.logical_and(exchanges_with(q), done), words < previous_words)
-      acc = acc | store(own_lamport, cell_offset(previous, q) + 4 * words, jnp.full(control, empty, U32), enabled, acc)
-    return chunk + 1, acc
-
-  _, refilled = jax.lax.while_loop(refill_cond, refill_body, (jnp.int32(0), jnp.broadcast_to(sink, control)))
-  for q in sources:
-    enabled = jnp.logical_and(jnp.logical_and(exchanges_with(q), done), in_header)
-    refilled = refilled | store(own_lamport, header_offset(previous, q), jnp.full(control, empty, U32), enabled,
-                                refilled)
+  # 6. Advance (lamport.h lamport_advance).
   following = jnp.where(buffer == 2, jnp.int32(0), buffer + 1)
   head = jnp.logical_and(done, lanes == 0)
   for name, value in (("served", 1), ("lamport_calls", calls + 1), ("lamport_buffer", following),

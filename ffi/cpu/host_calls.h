@@ -42,7 +42,7 @@ class BarrierCall : public HostCall {
     }
   }
 
-  PeerState poll(const ChannelView& v, int phase, const Deadline& deadline) override {
+  PeerState poll(const ChannelView& v, int phase, Deadline& deadline) override {
     const uint32_t epoch = epoch_ + phase;
     for (int peer = 0; peer < v.world; ++peer) {
       if (!exchanges_with(v, peer)) continue;
@@ -83,7 +83,7 @@ class LamportHostCall : public HostCall {
     push(v);
   }
 
-  PeerState poll(const ChannelView& v, int /*phase*/, const Deadline& deadline) override {
+  PeerState poll(const ChannelView& v, int /*phase*/, Deadline& deadline) override {
     for (int q = 0; q < v.world; ++q) {
       if (!exchanges_with(v, q)) continue;
       const auto probe = [&] {

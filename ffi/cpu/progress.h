@@ -40,7 +40,7 @@ class HostCall {
   // One look at every peer: kArrived once all are there; kFailed with the
   // error recorded and the channel poisoned (a timeout at `deadline`, or a
   // peer at another call).
-  virtual PeerState poll(const ChannelView& v, int phase, const Deadline& deadline) = 0;
+  virtual PeerState poll(const ChannelView& v, int phase, Deadline& deadline) = 0;
   // Writes the outputs, after the last phase.
   virtual void finish(const ChannelView& v) = 0;
 

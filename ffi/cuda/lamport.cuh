@@ -19,9 +19,10 @@ namespace b12x {
 // sends it to every peer (the same pack, or each peer its own), `own(i)` is
 // this rank's own pack i where a sum reads it from the input
 // (from_own_input); each pack's sources in rank order (C9) go to
-// `reduce(i, staged)` as they arrive; then it refills what the previous
-// call read and moves on to the next buffer. One thread checks every
-// source's header (the tag); a mismatch stops the block like a timeout.
+// `reduce(i, staged)` as they arrive, while the refill of what the
+// previous call read is in flight; then it moves on to the next buffer.
+// One thread checks every source's header (the tag); a mismatch stops the
+// block like a timeout.
 // Every op that uses the Lamport buffers of a channel goes through here, so
 // their calls interleave on one channel by the reuse argument of lamport.h.
 // Returns the buffer B(k) the call read (its cells stay as they are until
@@ -52,14 +53,19 @@ __device__ __forceinline__ int lamport_exchange_with(const ChannelView& v, const
   __syncthreads();
   if (failed) return -1;
   const LamportCall c = lamport_begin(blockIdx.x, tag, start);
-  const Deadline deadline = deadline_from_now<CudaMem>(v, start.served == 0);  // served only by lamport_advance
+  Deadline deadline = call_deadline(v, start.served == 0);  // served only by lamport_advance
 
   // 1. Push this rank's part, and the call's tag, to every peer.
   const size_t header_thread = n < kThreads ? n : 0;
   if (threadIdx.x == header_thread) lamport_push_header<CudaMem>(v, c);
   for (size_t i = first; i < n; i += kThreads) push(c, i, i == first ? loaded : load(i));
 
-  // 2. Poll each source's pack until every word arrived, then reduce. One
+  // 2. Refill the cells this block read in its previous call: its stores
+  //    overlap the polls (lamport.h: any time in call k is before call
+  //    k + 1's pushes, which is all the reuse argument asks).
+  for (size_t i = first; i < lamport_refill_packs(c); i += kThreads) lamport_refill<CudaMem>(v, c, i);
+
+  // 3. Poll each source's pack until every word arrived, then reduce. One
   //    failed thread stops the block.
   // Spins on `probe` (bounded by poll_peer every 64 spins); false once this
   // thread or another one of the block failed.
@@ -98,10 +104,7 @@ __device__ __forceinline__ int lamport_exchange_with(const ChannelView& v, const
   __syncthreads();
   if (failed) return -1;
 
-  // 3. Refill the cells this block read in its previous call, then advance.
-  //    Both are only read by this block's next call, a later kernel on the
-  //    stream: no barrier between them.
-  for (size_t i = first; i < lamport_refill_packs(c); i += kThreads) lamport_refill<CudaMem>(v, c, i);
+  // 4. Advance: read only by this block's next call, a later kernel.
   if (threadIdx.x == 0) lamport_advance<CudaMem>(v, c, static_cast<uint32_t>(n));
   return c.buffer;
 }
