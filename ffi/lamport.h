@@ -167,7 +167,7 @@ B12X_HD bool lamport_load(const ChannelView& v, const LamportCall& c, int q, siz
 
 // Empties pack i of every source's cell of the previous buffer (for i below
 // previous_packs), and, for i == 0, the headers: run by this block for
-// every i < max(previous_packs, 1) once it read all of this call's data.
+// every i < max(previous_packs, 1) at any point of its call (see Reuse).
 template <class Mem>
 B12X_HD void lamport_refill(const ChannelView& v, const LamportCall& c, size_t i) {
   B12X_UNROLL

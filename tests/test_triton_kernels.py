@@ -9,6 +9,8 @@ tests/test_gpu_rig.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
 import sys
 
@@ -377,6 +379,40 @@ def test_a_row_over_several_programs_lowers_with_their_meeting(monkeypatch):
   codes = [code for code, _ in asms]
   assert codes.count(triton.exchange._ARRIVE) == 1 and codes.count(triton.exchange._LOAD_ACQUIRE) == 1
   _assert_one_thread_per_polled_element(warps, asms)
+
+
+@pytest.mark.parametrize("kernel", ["all_reduce float32", "all_reduce bfloat16", "fused, one program a row",
+                                    "fused, a row over 4 programs"])
+def test_every_inline_asm_the_exchange_emits_survives_in_the_kernel(monkeypatch, kernel):
+  # Pallas drops what does not reach a kernel's output, and inline asm is pure to it: an access
+  # whose result joins no chain to the output (module docstring of kernels/exchange.py) is gone
+  # from the kernel, silently. Once the refill moved before the polls, the failure record (the
+  # poison word's claim) was: a failed Triton call left NaN but poisoned nothing and recorded no
+  # error. Every asm traced must be in the kernel pallas_call keeps, as often as traced.
+  from collections import Counter
+
+  from b12x_jax import kernels as triton
+  kernels = _record_inline_asm(monkeypatch)
+  row = jax.ShapeDtypeStruct((triton.ROW_WORDS,), jnp.int32)
+  if kernel.startswith("all_reduce"):
+    plan = dataclasses.replace(_plan(), block_words=512, grid=2)
+    fn = functools.partial(triton.all_reduce.all_reduce, plan=plan, channel="c", poison=False)
+    args = [jax.ShapeDtypeStruct((1024,) if kernel.endswith("float32") else (2048,), kernel.split()[1]), row]
+    traced = jax.make_jaxpr(lambda x, r: fn(x, r))(*args)
+  else:
+    rows, hidden = (2, 2048) if kernel.startswith("fused, one") else (2, 8192)
+    plan = triton.rows_plan(_plan(cell_words=8192), rows, 2 * hidden, "bfloat16", 0)
+    assert plan.split == (1 if kernel.startswith("fused, one") else 4), plan.split
+    args = [jax.ShapeDtypeStruct((rows, hidden), jnp.bfloat16)] * 2 + [jax.ShapeDtypeStruct((hidden,), jnp.bfloat16),
+                                                                      row]
+    traced = jax.make_jaxpr(lambda x, r, w, t: triton.residual_rmsnorm.residual_rmsnorm(
+        x, r, w, t, plan, eps=1e-6, channel="c", poison=False))(*args)
+  ((_, asms),) = kernels
+  emitted = Counter(code for code, _ in asms)
+  text = str(traced)
+  assert any("atom.global.cas" in code for code in emitted), "the failure record was not traced"
+  kept = {code: text.count(code) for code in emitted}
+  assert kept == dict(emitted), [(n, kept[code], code[:80]) for code, n in emitted.items() if kept[code] != n]
 
 
 @pytest.mark.parametrize("shape, blocks, cell, plan", [

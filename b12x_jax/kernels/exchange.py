@@ -2,7 +2,7 @@
 word for word, on the channel's own memory): the plan of a call from the
 channel's kernel view, the address table row of a device, the inline PTX of
 every access to channel memory, and ``lamport_exchange``, one call's
-pushes, bounded polls, tag checks, failure record, refill and advance. The
+pushes, refill, bounded polls, tag checks, failure record and advance. The
 op modules (all_reduce.py, residual_rmsnorm.py, dcp_a2a.py) build their
 kernels on it.
 
@@ -253,9 +253,9 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
   the same), a tuple of segments (int32 arrays, one shape per segment for
   every p) laid out one after the other in the cell, then 0 up to a whole
   pack (a reader polls packs). Pushes each peer's part into this rank's cell
-  of its buffer B(k), waits, bounded, until every source's cell of B(k)
-  arrived, checks the tags, records a failure once per channel, refills and
-  advances. Returns (done, cells, rank, sink, row_total): whether the call
+  of its buffer B(k), refills B(k - 1), waits, bounded, until every
+  source's cell of B(k) arrived, checks the tags, records a failure once
+  per channel and advances. Returns (done, cells, rank, sink, row_total): whether the call
   finished (a split row: in every program of the row), every source's arrived segments (a source this rank does not
   exchange with holds zeros), this rank, ``sink`` (0, the OR of every
   store's result, which the caller must fold into its output: the module
@@ -460,7 +460,7 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
     now = clock(jnp.broadcast_to(it, control) | cells[0])
     start = jnp.where(it == CHECK_EVERY - 1, now, start)
     elapsed = now - start
-    late = jnp.logical_or(any_(elapsed > bound), it > spin_bound)
+    late = jnp.logical_or(any_(elapsed > bound), it - (CHECK_EVERY - 1) > spin_bound)  # both from the first check
     pending = [jnp.logical_and(exchanges_with(q), any_(empty_in(c, h))) for q, c, h in zip(sources, cells, headers)]
     look = elapsed > plan.grace_units
     gave = [jnp.logical_and(pending[q], any_(load_if(address(_PEER_SIGNAL + 2 * q), sig_off["poisoned"],
@@ -589,7 +589,10 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
   sink = sink | jax.lax.cond(record, record_failure, lambda: _scalars(it, 0)[0])
   done = jnp.logical_and(go, jnp.logical_not(jnp.logical_or(timed_out, mismatch)))
 
-  # 6. Advance (lamport.h lamport_advance).
+  # 6. Advance (lamport.h lamport_advance), after the failure record: the
+  #    refill's chain started before the polls, so `sink` (the record, the
+  #    row's share) joins it here, or nothing would keep the record.
+  refilled = refilled | jnp.broadcast_to(sink, control)
   following = jnp.where(buffer == 2, jnp.int32(0), buffer + 1)
   head = jnp.logical_and(done, lanes == 0)
   for name, value in (("served", 1), ("lamport_calls", calls + 1), ("lamport_buffer", following),
