@@ -382,7 +382,7 @@ def test_a_row_over_several_programs_lowers_with_their_meeting(monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", ["all_reduce float32", "all_reduce bfloat16", "fused, one program a row",
-                                    "fused, a row over 4 programs"])
+                                    "fused, a row over 4 programs", "dcp_a2a"])
 def test_every_inline_asm_the_exchange_emits_survives_in_the_kernel(monkeypatch, kernel):
   # Pallas drops what does not reach a kernel's output, and inline asm is pure to it: an access
   # whose result joins no chain to the output (module docstring of kernels/exchange.py) is gone
@@ -399,6 +399,11 @@ def test_every_inline_asm_the_exchange_emits_survives_in_the_kernel(monkeypatch,
     fn = functools.partial(triton.all_reduce.all_reduce, plan=plan, channel="c", poison=False)
     args = [jax.ShapeDtypeStruct((1024,) if kernel.endswith("float32") else (2048,), kernel.split()[1]), row]
     traced = jax.make_jaxpr(lambda x, r: fn(x, r))(*args)
+  elif kernel == "dcp_a2a":  # [1, 16, 64] over 2 ranks: one block of 8 rows of 32 words per destination
+    plan = dataclasses.replace(_plan(), block_words=256, grid=1)
+    args = [jax.ShapeDtypeStruct((1, 16, 64), jnp.bfloat16), jax.ShapeDtypeStruct((1, 16), jnp.float32), row]
+    traced = jax.make_jaxpr(lambda o, lse, t: triton.dcp_a2a.dcp_a2a(o, lse, t, plan, base2=False, return_lse=True,
+                                                                       channel="c", poison=False))(*args)
   else:
     rows, hidden = (2, 2048) if kernel.startswith("fused, one") else (2, 8192)
     plan = triton.rows_plan(_plan(cell_words=8192), rows, 2 * hidden, "bfloat16", 0)
