@@ -20,24 +20,14 @@ def per_op_us(run: Callable[[], object], ops: int, iters: int, warmup: int = 5, 
   blocked on) over ``iters`` runs, per op, in us, after at least ``warmup``
   runs and ``warmup_s`` seconds of them (so the timed runs do not start on
   a GPU that just sat idle through a compile). The one timing method of
-  calibration and of every benchmark."""
-  import jax
-  import numpy as np
-  warm_until, warmed = time.perf_counter() + warmup_s, 0
-  while warmed < warmup or time.perf_counter() < warm_until:
-    jax.block_until_ready(run())
-    warmed += 1
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    jax.block_until_ready(run())
-    times.append(time.perf_counter() - start)
-  return float(np.median(times)) / ops * 1e6
+  calibration and of every benchmark: paired_per_op_us of one run."""
+  return paired_per_op_us({"run": run}, ops, iters, warmup, warmup_s)["run"]
 
 
 def paired_per_op_us(runs: dict[str, Callable[[], object]], ops: int, iters: int, warmup: int = 5,
                      warmup_s: float = 0.2) -> dict[str, float]:
-  """per_op_us of several executables timed in turn: each of ``iters``
+  """per_op_us of several executables timed in turn (warmed up together,
+  as per_op_us warms one): each of ``iters``
   rounds times one run of every one, so a change of the GPU's clocks
   between rounds falls on all of them alike, where timings taken one after
   the other (seconds apart) differ by it. Returns each one's median per op

@@ -21,7 +21,8 @@ in jnp (the two timed in turn), at hidden 4096 and 8192 and 1, 8 and 64 rows (ou
 against float64 first). Last, dcp_a2a in the Lamport window, bfloat16,
 chained (each merge's output is the next one's input), at decode shapes
 B x H x D: through loopback the merge of one source gives back its input,
-bit for bit (and 0, lse -inf, where its lse is -inf), checked first.
+bit for bit (and 0, lse -inf, where its lse is -inf), checked first; the
+Triton kernel timed in turn with the floor of its payload.
 
   python benchmarks/loopback_kernels.py [--json out.json] [--skip-fused] [--skip-dcp]
 """
@@ -35,7 +36,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import add_and_norm, add_timing_arguments, paired_per_op_us, per_op_us, size_label
+from _common import add_and_norm, add_timing_arguments, paired_per_op_us, size_label
 from jax.sharding import PartitionSpec as P
 
 import b12x_jax
@@ -148,9 +149,10 @@ def chained_dcp(mesh, ops: int):
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x")))
 
 
-def time_dcp(mesh, comm, kernels: str, args, rng) -> dict[tuple[int, int, int], float]:
-  """us per dcp_a2a on ``kernels`` at each DCP_SHAPES shape; one call's
-  result checked first (three times: every Lamport buffer)."""
+def time_dcp(mesh, comm, kernels: str, args, rng, floor_of=None) -> dict[tuple[int, int, int], dict[str, float]]:
+  """us per dcp_a2a on ``kernels`` at each DCP_SHAPES shape, timed in turn
+  with ``floor_of(nbytes)``'s run where given (its payload, in 4 KiB);
+  one call's result checked first (three times: every Lamport buffer)."""
   times = {}
   one = chained_dcp(mesh, 1)
   with b12x_jax.channel(f"dcp-{kernels}"):
@@ -166,7 +168,10 @@ def time_dcp(mesh, comm, kernels: str, args, rng) -> dict[tuple[int, int, int], 
         assert comm.decisions[-1].kernel == kernels, comm.decisions[-1]
       fn = chained_dcp(mesh, args.ops)
       ins = (put(mesh, out), put(mesh, lse))
-      times[shape] = per_op_us(lambda: fn(*ins), args.ops, args.iters)
+      runs = {kernels: lambda: fn(*ins)}
+      if floor_of is not None:
+        runs = {"floor": floor_of(-(-int(np.prod(shape)) * 2 // 4096) * 4096), **runs}
+      times[shape] = paired_per_op_us(runs, args.ops, args.iters)
   return times
 
 
@@ -266,15 +271,6 @@ def checked_floor(nbytes: int, ops: int, rng):
   return lambda: floor(x)
 
 
-def time_floors(nbytes: int, args, rng) -> dict[str, float]:
-  """us per op of the exchange floor (checked_floor) and of the empty FFI
-  call, at ``nbytes``."""
-  x = jnp.asarray(rng.standard_normal(nbytes // 4).astype(np.float32))
-  empty = empty_ffi_call(args.ops)
-  return {"floor": per_op_us(checked_floor(nbytes, args.ops, rng), args.ops, args.iters),
-          "empty ffi": per_op_us(lambda: empty(x), args.ops, args.iters)}
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -291,6 +287,13 @@ def main() -> None:
   fused: dict[tuple[int, int], dict[str, float]] = {shape: {} for shape in FUSED_SHAPES}
   dcp: dict[tuple[int, int, int], dict[str, float]] = {shape: {} for shape in DCP_SHAPES}
   floors = {}  # size -> the checked floor's run
+
+  def floor_of(nbytes: int):
+    if nbytes not in floors:
+      floors[nbytes] = checked_floor(nbytes, args.ops, rng)
+    return floors[nbytes]
+
+  empty = empty_ffi_call(args.ops)
   for kernels in ("ffi", "triton"):
     comm = b12x_jax.Communicator(loopback=True, kernels=kernels)
     b12x_jax.get_communicator().close()
@@ -299,24 +302,18 @@ def main() -> None:
     if kernels == "triton":
       interleave(mesh, comm, rng)
     fn = chained(mesh, args.ops)
-    empty = empty_ffi_call(args.ops)
     with b12x_jax.channel(f"time-{kernels}"):
       for dtype, size in times:
         x = put(mesh, random(rng, size, dtype))
-        if kernels == "ffi":
-          floor_name, floor = "empty ffi", lambda x=x: empty(x)
-        else:
-          if size not in floors:
-            floors[size] = checked_floor(size, args.ops, rng)
-          floor_name, floor = "floor", floors[size]
+        floor_name, floor = ("empty ffi", lambda x=x: empty(x)) if kernels == "ffi" else ("floor", floor_of(size))
         times[dtype, size].update(paired_per_op_us({floor_name: floor, kernels: lambda x=x: fn(x)}, args.ops,
                                                    args.iters))
     if not args.skip_fused:
       for shape, row in time_fused(mesh, kernels, args, rng).items():
         fused[shape].update(row)
     if not args.skip_dcp:
-      for shape, t in time_dcp(mesh, comm, kernels, args, rng).items():
-        dcp[shape][kernels] = t
+      for shape, t in time_dcp(mesh, comm, kernels, args, rng, floor_of if kernels == "triton" else None).items():
+        dcp[shape].update(t)
     comm.check_errors()
     comm.close()
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, loopback, {args.ops} chained ops, "
@@ -342,9 +339,8 @@ def main() -> None:
     print(f"{'B x H x D':>14} {'ffi us':>8} {'triton us':>10} {'ffi - triton':>13} {'floor us':>9} "
           f"{'triton-floor':>13}")
     for shape, t in dcp.items():
-      t.update(time_floors(-(-int(np.prod(shape)) * 2 // 4096) * 4096, args, rng))  # its payload, in 4 KiB
       print(f"{' x '.join(map(str, shape)):>14} {t['ffi']:8.2f} {t['triton']:10.2f} {t['ffi'] - t['triton']:13.2f} "
-            f"{t['floor']:9.2f} {t['triton'] - t['floor']:13.2f}")
+            f"{t['floor']:9.2f} {t['triton - floor']:13.2f}")
   if args.json:
     with open(args.json, "w") as f:
       json.dump({**{f"{d}/{k}": v for (d, k), v in times.items()},

@@ -41,11 +41,11 @@ echo "== summary: triton loopback tests rc=$tests_rc"; exit $tests_rc
 fi
 if [ "$PART" = all ] || [ "$PART" = rig ]; then
 echo "== one-GPU rig: 2, 4 and 8 processes on GPU 0 under MPS (pytest -m gpu_rig)"
-start=$(date +%s)
+start=$(date +%s) B12X_RIG_BOUND_S=${B12X_RIG_BOUND_S:-330}
 # The test process keeps off the GPU (JAX_PLATFORMS=cpu): only the workers hold
 # contexts, as MPS clients. SIGINT at the bound lets pytest kill its workers and stop MPS.
 # B12X_RIG_SELECT: a pytest -k expression, to split the rig over device calls.
-JAX_PLATFORMS=cpu timeout -s INT -k 20 ${B12X_RIG_BOUND_S:=330} $PY -m pytest tests/test_gpu_rig.py -m gpu_rig -q -rA \
+JAX_PLATFORMS=cpu timeout -s INT -k 20 "$B12X_RIG_BOUND_S" $PY -m pytest tests/test_gpu_rig.py -m gpu_rig -q -rA \
   ${B12X_RIG_SELECT:+-k "$B12X_RIG_SELECT"} \
   -p no:cacheprovider 2>&1 | tee "$OUT/rig_tests.log" | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|error" \
   | sed 's/ - .*//' | tail -25
