@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
+import functools
 import sys
 
 import jax
@@ -66,7 +67,9 @@ def backend_floors(ops: int, iters: int) -> dict[str, str]:
   launch floor a kernel of that backend cannot go below (docs/DESIGN.md,
   "Triton kernels"). Mosaic GPU is tried two ways (jax 0.11's pallas_call
   of that backend, with blocks in shared memory, and ``plgpu.kernel`` on
-  global refs). A way that fails says why instead."""
+  global refs), and the same kernel in the Triton language through
+  jax_triton (the official bindings JAX's deprecation names), where it is
+  installed. A way that fails says why instead."""
   from jax.experimental import pallas as pl
 
   def add_one(x_ref, o_ref):
@@ -87,10 +90,15 @@ def backend_floors(ops: int, iters: int) -> dict[str, str]:
     from jax.experimental.pallas import mosaic_gpu as plgpu
     return plgpu.kernel(add_one, out_type=jax.ShapeDtypeStruct(v.shape, v.dtype))(v)
 
+  def jax_triton(v):  # the official Triton bindings (not a dependency: measured where installed)
+    import jax_triton as jt
+    return jt.triton_call(v, kernel=_triton_add_one(), out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
+                          grid=(1,), num_warps=4, num_stages=1, n=v.size)
+
   x = jax.numpy.arange(1024, dtype=np.float32)
   out = {}
   for name, op in (("pallas triton", pallas_triton), ("mosaic gpu, pallas_call", mosaic_pallas_call),
-                   ("mosaic gpu, kernel", mosaic_kernel)):
+                   ("mosaic gpu, kernel", mosaic_kernel), ("jax_triton", jax_triton)):
     try:
       def body(v, op=op):
         for _ in range(ops):
@@ -102,6 +110,19 @@ def backend_floors(ops: int, iters: int) -> dict[str, str]:
     except Exception as e:  # noqa: BLE001 - one way's failure must not hide the others' numbers
       out[name] = f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
   return out
+
+
+@functools.cache
+def _triton_add_one():
+  """add_one as a kernel of the Triton language, for jax_triton."""
+  import triton
+  import triton.language as tl
+
+  @triton.jit
+  def add_one(x_ptr, o_ptr, n: tl.constexpr):
+    i = tl.arange(0, n)
+    tl.store(o_ptr + i, tl.load(x_ptr + i) + 1.0)
+  return add_one
 
 
 def main() -> None:
