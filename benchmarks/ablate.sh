@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# What each safety step of the FFI Lamport all_reduce costs (docs/DESIGN.md,
-# "Lamport"): scratch builds of a copy of the tree, each with one step taken
-# out by an edit of ffi/cuda/, timed through loopback by breakdown.py (FFI
-# kernel only). A scratch build is wrong by design (no tag check, no bound,
-# no refill): it is installed only for its own timing, and the tree's own
-# build is installed again at the end. On one GPU:
-#   bash benchmarks/ablate.sh [sizes, default 4096,65536]
-# or, without a GPU: bash benchmarks/ablate.sh --check (every edit applies;
-# the all_reduce kernels of each build compile where nvcc is here)
+# What each step of the Lamport kernels costs (docs/DESIGN.md, "Lamport",
+# "Triton kernels"): scratch builds of a copy of the tree, each with one
+# step taken out (or a candidate change put in), timed through loopback: an
+# edit of ffi/cuda/ by breakdown.py (the FFI all_reduce), an edit of
+# b12x_jax/ or a patch of benchmarks/ablations/ by loopback_kernels.py (the
+# Triton all_reduce, each size in turn with its floor, results checked
+# first). A scratch build with a step taken out is wrong by design (no tag
+# check, no bound, no refill): it is installed only for its own timing, and
+# the tree's own build is installed again at the end. On one GPU:
+#   bash benchmarks/ablate.sh [sizes of the FFI builds, default 4096,65536]
+# or, without a GPU: bash benchmarks/ablate.sh --check (every edit and patch
+# applies; the all_reduce kernels of each FFI build compile where nvcc is
+# here, each edited Python file compiles)
 # (ABLATE_ONLY: an extended regular expression; only the builds it matches)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -17,7 +21,9 @@ CHECK=0
 if [ "${1:-}" = --check ]; then CHECK=1; shift; fi
 SIZES=${1:-4096,65536}
 L=ffi/cuda/lamport.cuh
-# name | file | sed expression (each must change its file)
+X=b12x_jax/kernels/exchange.py
+# name | file | sed expression (each must change its file); or name | a patch of
+# benchmarks/ablations/ | (nothing)
 VARIANTS=(
   "as built|$L|"
   "no tag (header neither pushed nor polled)|$L|s/if (threadIdx.x == header_thread) lamport_push_header<CudaMem>(v, c);//; s/if (exchanges_with(v, q) \&\& !await(q, \[\&\] { return lamport_header_state<CudaMem>(v, c, q); })) break;/(void)q;/"
@@ -27,27 +33,49 @@ VARIANTS=(
   "no tag, no bound, no halt check together|$L|s/if (threadIdx.x == header_thread) lamport_push_header<CudaMem>(v, c);//; s/if (exchanges_with(v, q) \&\& !await(q, \[\&\] { return lamport_header_state<CudaMem>(v, c, q); })) break;/(void)q;/; s/(spins \& 63) == 0 ? poll_peer<CudaMem>(v, q, c.call + 1u, deadline, probe) : probe()/probe()/; s/call_deadline(v, start.served == 0)/Deadline{}/; s/failed = lamport_halted<CudaMem>(v, s) ? 1 : 0;/failed = 0;/"
   "the exchange alone (store, poll, reset; no start words, barrier, tag, bound, refill, advance)|ffi/cuda/all_reduce.cu|/const Slice s = block_slice(blockIdx.x, plan.per_block, plan.packs);/a\\  if (true) { for (size_t i = threadIdx.x; i < s.n; i += kThreads) { Pack* cell = reinterpret_cast<Pack*>(v.lamport[v.rank] + v.lamport_layout.cell_offset(0, 0, blockIdx.x)) + i; CudaMem::store_pack(cell, in[s.lo + i]); Pack y; do { y = CudaMem::load_volatile(cell); } while (!lamport_arrived(y)); out[s.lo + i] = y; CudaMem::store_pack(cell, lamport_empty_pack()); } return; }"
   "128 threads a block, not 512|ffi/cuda/all_reduce.cu|s/constexpr int kThreads = 512;/constexpr int kThreads = 128;/"
+  "256 threads a block, not 512|ffi/cuda/all_reduce.cu|s/constexpr int kThreads = 512;/constexpr int kThreads = 256;/"
+  "triton: as built|$X|"
+  "triton: no failure record (its branch gone)|$X|s/  sink = sink | jax.lax.cond(record, record_failure, lambda: _scalars(it, 0)\[0\])//"
+  "triton: no halt check (poison, generation)|$X|s/stale, go = halted == 2, halted == 0/stale, go = rank < 0, rank >= 0/"
+  "triton: the record from lane 0, no reduction, no load unless it records (candidate)|benchmarks/ablations/triton_record_lane0.patch|"
 )
 for variant in "${VARIANTS[@]}"; do
   IFS='|' read -r name file edit <<<"$variant"
   if [ -n "${ABLATE_ONLY:-}" ] && ! grep -Eq "$ABLATE_ONLY" <<<"$name"; then continue; fi
   rm -rf "$WORK" && mkdir -p "$WORK"
   cp -r "$ROOT"/{ffi,b12x_jax,benchmarks,CMakeLists.txt,pyproject.toml,README.md,LICENSE} "$WORK"
-  if [ -n "$edit" ]; then
+  edited=()
+  if [[ "$file" == *.patch ]]; then
+    if command -v patch >/dev/null; then applied="patch -s -p1 -d $WORK"; else applied="git -C $WORK apply -"; fi
+    $applied <"$ROOT/$file" || { echo "== $name: the patch did not apply"; exit 1; }
+    mapfile -t edited < <(sed -n 's|^+++ b/||p' "$ROOT/$file")
+  elif [ -n "$edit" ]; then
     sed -i "$edit" "$WORK/$file"
     if cmp -s "$ROOT/$file" "$WORK/$file"; then echo "== $name: the edit did not apply"; exit 1; fi
+    edited=("$file")
   fi
   if [ "$CHECK" = 1 ]; then
-    if command -v nvcc >/dev/null && [ -n "$edit" ]; then
-      nvcc -std=c++17 -arch=sm_90 -ptx -I "$WORK/ffi" -isystem "$($PY -c 'import jax.ffi; print(jax.ffi.include_dir())')" \
-        "$WORK/ffi/cuda/all_reduce.cu" -o "$WORK/check.ptx" >"$WORK/check.log" 2>&1 \
-        || { tail -20 "$WORK/check.log"; echo "== $name: does not compile"; exit 1; }
-    fi
+    for f in "${edited[@]}"; do
+      case "$f" in
+        *.py) $PY -m py_compile "$WORK/$f" || { echo "== $name: $f does not compile"; exit 1; } ;;
+        ffi/*)
+          if command -v nvcc >/dev/null; then
+            nvcc -std=c++17 -arch=sm_90 -ptx -I "$WORK/ffi" -isystem "$($PY -c 'import jax.ffi; print(jax.ffi.include_dir())')" \
+              "$WORK/ffi/cuda/all_reduce.cu" -o "$WORK/check.ptx" >"$WORK/check.log" 2>&1 \
+              || { tail -20 "$WORK/check.log"; echo "== $name: does not compile"; exit 1; }
+          fi ;;
+      esac
+    done
     echo "== $name: applies"
     continue
   fi
   echo "== $name"
   $PY -m pip install -q --no-build-isolation --no-deps -e "$WORK" >"$WORK/build.log" 2>&1 || { tail -20 "$WORK/build.log"; exit 1; }
-  (cd "$WORK/benchmarks" && $PY breakdown.py --kinds ffi --sizes "$SIZES" --iters 15 2>&1 | grep -E "^ +[0-9]+ (KiB|MiB)")
+  if [[ "$file" == ffi/* ]]; then
+    (cd "$WORK/benchmarks" && $PY breakdown.py --kinds ffi --sizes "$SIZES" --iters 15 2>&1 | grep -E "^ +[0-9]+ (KiB|MiB)")
+  else
+    (cd "$WORK/benchmarks" && $PY loopback_kernels.py --kernels triton --skip-fused --skip-dcp --iters 15 2>&1 \
+      | grep -E "^ *(dtype|float32|bfloat16) ")
+  fi
 done
 if [ "$CHECK" = 0 ]; then $PY -m pip install -q --no-build-isolation --no-deps -e "$ROOT" >/dev/null 2>&1; fi

@@ -24,7 +24,7 @@ B x H x D: through loopback the merge of one source gives back its input,
 bit for bit (and 0, lse -inf, where its lse is -inf), checked first; the
 Triton kernel timed in turn with the floor of its payload.
 
-  python benchmarks/loopback_kernels.py [--json out.json] [--skip-fused] [--skip-dcp]
+  python benchmarks/loopback_kernels.py [--json out.json] [--skip-fused] [--skip-dcp] [--kernels triton]
 """
 
 from __future__ import annotations
@@ -271,12 +271,18 @@ def checked_floor(nbytes: int, ops: int, rng):
   return lambda: floor(x)
 
 
+def us(times: dict[str, float], name: str, width: int) -> str:
+  """``times[name]`` in a column of ``width``; nan where that kind was not timed."""
+  return f"{times.get(name, float('nan')):{width}.2f}"
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   add_timing_arguments(parser, devices=False)
   parser.add_argument("--skip-fused", action="store_true", help="do not time the fused op")
   parser.add_argument("--skip-dcp", action="store_true", help="do not time dcp_a2a")
+  parser.add_argument("--kernels", default="ffi,triton", help="the kernel kinds to time, comma-separated")
   parser.set_defaults(ops=256, iters=30)
   args = parser.parse_args()
   if jax.default_backend() != "gpu":
@@ -294,7 +300,10 @@ def main() -> None:
     return floors[nbytes]
 
   empty = empty_ffi_call(args.ops)
-  for kernels in ("ffi", "triton"):
+  kinds = args.kernels.split(",")
+  if not kinds or set(kinds) - {"ffi", "triton"}:
+    sys.exit(f"--kernels takes ffi and triton, not {args.kernels!r}")
+  for kernels in kinds:
     comm = b12x_jax.Communicator(loopback=True, kernels=kernels)
     b12x_jax.get_communicator().close()
     b12x_jax.set_communicator(comm)
@@ -324,23 +333,24 @@ def main() -> None:
   print(f"{'dtype':>9} {'size':>8} {'ffi us':>8} {'triton us':>10} {'floor us':>9} {'empty ffi':>10} "
         f"{'triton-floor':>13} {'ffi-empty':>10}")
   for (dtype, size), t in times.items():
-    print(f"{dtype:>9} {size_label(size):>8} {t['ffi']:8.2f} {t['triton']:10.2f} {t['floor']:9.2f} "
-          f"{t['empty ffi']:10.2f} {t['triton - floor']:13.2f} {t['ffi - empty ffi']:10.2f}")
+    print(f"{dtype:>9} {size_label(size):>8} {us(t, 'ffi', 8)} {us(t, 'triton', 10)} {us(t, 'floor', 9)} "
+          f"{us(t, 'empty ffi', 10)} {us(t, 'triton - floor', 13)} {us(t, 'ffi - empty ffi', 10)}")
   if not args.skip_fused:
     print("\nall_reduce + residual + RMSNorm, bfloat16, us per op (unfused: all_reduce on the same kernel kind, "
           "then jnp)")
     columns = ["fused ffi", "unfused ffi", "fused triton", "unfused triton"]
     print(f"{'rows x hidden':>14} " + " ".join(f"{c:>14}" for c in columns) + f" {'unfused/fused triton':>21}")
     for (rows, hidden), t in fused.items():
-      print(f"{f'{rows} x {hidden}':>14} " + " ".join(f"{t[c]:14.2f}" for c in columns) +
-            f" {t['unfused triton'] / t['fused triton']:20.2f}x")
+      ratio = t.get("unfused triton", float("nan")) / t.get("fused triton", float("nan"))
+      print(f"{f'{rows} x {hidden}':>14} " + " ".join(us(t, c, 14) for c in columns) + f" {ratio:20.2f}x")
   if not args.skip_dcp:
     print("\ndcp_a2a in the Lamport window, bfloat16, us per op")
     print(f"{'B x H x D':>14} {'ffi us':>8} {'triton us':>10} {'ffi - triton':>13} {'floor us':>9} "
           f"{'triton-floor':>13}")
     for shape, t in dcp.items():
-      print(f"{' x '.join(map(str, shape)):>14} {t['ffi']:8.2f} {t['triton']:10.2f} {t['ffi'] - t['triton']:13.2f} "
-            f"{t['floor']:9.2f} {t['triton - floor']:13.2f}")
+      gap = t.get("ffi", float("nan")) - t.get("triton", float("nan"))
+      print(f"{' x '.join(map(str, shape)):>14} {us(t, 'ffi', 8)} {us(t, 'triton', 10)} {gap:13.2f} "
+            f"{us(t, 'floor', 9)} {us(t, 'triton - floor', 13)}")
   if args.json:
     with open(args.json, "w") as f:
       json.dump({**{f"{d}/{k}": v for (d, k), v in times.items()},
