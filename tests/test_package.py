@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -53,6 +54,29 @@ def test_every_scratch_build_of_the_ablation_applies_to_this_tree_and_compiles(t
                         env={**os.environ, "PYTHON": sys.executable, "ABLATE_DIR": str(tmp_path / "ablate")})
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
   assert len(builds) >= 7 and re.findall(r"^== (.*): applies$", proc.stdout, flags=re.M) == builds, proc.stdout
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc here: the CUDA kernels are not built")
+def test_the_cuda_lamport_kernels_keep_their_packs_in_registers(tmp_path):
+  """ptxas's report of every CUDA kernel of the Lamport exchange (sm_90, as
+  built): no spills, and the all_reduce and fused kernels use no stack. A
+  source's pack loaded through a reference into the staging array kept
+  the array in local memory, a round trip through L1 in every call
+  (docs/DESIGN.md, "Lamport")."""
+  import jax.ffi
+  frames = {}
+  for source in ("all_reduce", "residual_rmsnorm", "dcp_a2a"):
+    proc = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90", "-DB12X_WITH_CUDA=1", "-Xptxas", "-v",
+                           "-isystem", jax.ffi.include_dir(), "-c", os.path.join(ROOT, "ffi", "cuda", f"{source}.cu"),
+                           "-o", str(tmp_path / f"{source}.o")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, stack, spills in re.findall(r"Function properties for (\S+)\n\s*(\d+) bytes stack frame, (\d+) bytes spill "
+                                          r"stores", proc.stderr):
+      if "lamport" in name or "residual_rmsnorm_kernel" in name:
+        frames[name] = (int(stack), int(spills))
+  assert len(frames) >= 8, frames  # the Lamport all_reduce, fused and dcp kernels of each dtype
+  assert all(spills == 0 for _, spills in frames.values()), frames
+  assert all(stack == 0 for name, (stack, _) in frames.items() if "dcp" not in name), frames
 
 
 @pytest.mark.parametrize("example", ["dcp_decode.py", "speculative_decoding.py"])

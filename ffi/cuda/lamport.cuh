@@ -90,13 +90,16 @@ __device__ __forceinline__ int lamport_exchange_with(const ChannelView& v, const
 #pragma unroll
     for (int q = 0; q < kMaxRanks; ++q) {
       if (q >= v.world || !ok) continue;
+      // Loaded into a local, then stored at the unrolled index: loaded
+      // through a reference into staged[q], the array lived in local
+      // memory (ptxas: a 128-byte stack frame, spills for 16-bit dtypes).
+      Pack x;
       if (from_own_input(v, q)) {
-        staged[q] = own(i);
-        continue;
+        x = own(i);
+      } else {
+        ok = await(q, [&] { return lamport_load<CudaMem>(v, c, q, i, x) ? PeerState::kArrived : PeerState::kPending; });
       }
-      ok = await(q, [&] {
-        return lamport_load<CudaMem>(v, c, q, i, staged[q]) ? PeerState::kArrived : PeerState::kPending;
-      });
+      staged[q] = x;
     }
     if (!ok) break;
     reduce(i, staged);
