@@ -8,7 +8,7 @@
 # first). A scratch build with a step taken out is wrong by design (no tag
 # check, no bound, no refill): it is installed only for its own timing, and
 # the tree's own build is installed again at the end. On one GPU:
-#   bash benchmarks/ablate.sh [sizes of the FFI builds, default 4096,65536]
+#   bash benchmarks/ablate.sh [sizes of the FFI builds, default 4096,65536; the Triton ones take every size]
 # or, without a GPU: bash benchmarks/ablate.sh --check (every edit and patch
 # applies; the all_reduce kernels of each FFI build compile where nvcc is
 # here, each edited Python file compiles)
@@ -39,6 +39,8 @@ VARIANTS=(
   "triton: no halt check (poison, generation)|$X|s/stale, go = halted == 2, halted == 0/stale, go = rank < 0, rank >= 0/"
   "triton: the record from lane 0, no reduction, no load unless it records (candidate)|benchmarks/ablations/triton_record_lane0.patch|"
 )
+# The tree's own build goes back however the loop ends (a scratch build is wrong by design).
+if [ "$CHECK" = 0 ]; then trap '$PY -m pip install -q --no-build-isolation --no-deps -e "$ROOT" >/dev/null 2>&1' EXIT; fi
 for variant in "${VARIANTS[@]}"; do
   IFS='|' read -r name file edit <<<"$variant"
   if [ -n "${ABLATE_ONLY:-}" ] && ! grep -Eq "$ABLATE_ONLY" <<<"$name"; then continue; fi
@@ -46,14 +48,21 @@ for variant in "${VARIANTS[@]}"; do
   cp -r "$ROOT"/{ffi,b12x_jax,benchmarks,CMakeLists.txt,pyproject.toml,README.md,LICENSE} "$WORK"
   edited=()
   if [[ "$file" == *.patch ]]; then
-    if command -v patch >/dev/null; then applied="patch -s -p1 -d $WORK"; else applied="git -C $WORK apply -"; fi
-    $applied <"$ROOT/$file" || { echo "== $name: the patch did not apply"; exit 1; }
     mapfile -t edited < <(sed -n 's|^+++ b/||p' "$ROOT/$file")
+    if command -v patch >/dev/null; then
+      patch --batch --forward -s -p1 -d "$WORK" <"$ROOT/$file" || { echo "== $name: the patch did not apply"; exit 1; }
+    else
+      # Outside any repository (the ceiling), or git would apply nothing to a scratch copy inside one.
+      (cd "$WORK" && GIT_CEILING_DIRECTORIES="$(dirname "$WORK")" git apply - <"$ROOT/$file") \
+        || { echo "== $name: the patch did not apply"; exit 1; }
+    fi
   elif [ -n "$edit" ]; then
     sed -i "$edit" "$WORK/$file"
-    if cmp -s "$ROOT/$file" "$WORK/$file"; then echo "== $name: the edit did not apply"; exit 1; fi
     edited=("$file")
   fi
+  for f in "${edited[@]}"; do  # an edit that changed nothing would time the tree as built under its name
+    if cmp -s "$ROOT/$f" "$WORK/$f"; then echo "== $name: the edit of $f did not apply"; exit 1; fi
+  done
   if [ "$CHECK" = 1 ]; then
     for f in "${edited[@]}"; do
       case "$f" in
@@ -72,10 +81,12 @@ for variant in "${VARIANTS[@]}"; do
   echo "== $name"
   $PY -m pip install -q --no-build-isolation --no-deps -e "$WORK" >"$WORK/build.log" 2>&1 || { tail -20 "$WORK/build.log"; exit 1; }
   if [[ "$file" == ffi/* ]]; then
-    (cd "$WORK/benchmarks" && $PY breakdown.py --kinds ffi --sizes "$SIZES" --iters 15 2>&1 | grep -E "^ +[0-9]+ (KiB|MiB)")
-  else
-    (cd "$WORK/benchmarks" && $PY loopback_kernels.py --kernels triton --skip-fused --skip-dcp --iters 15 2>&1 \
-      | grep -E "^ *(dtype|float32|bfloat16) ")
+    timer=(breakdown.py --kinds ffi --sizes "$SIZES" --iters 15) rows="^ +[0-9]+ (KiB|MiB)"
+  else  # the Triton kernel (edits of b12x_jax/, the patches), each size beside its floor, checked first
+    timer=(loopback_kernels.py --kernels triton --skip-fused --skip-dcp --iters 15) rows="^ *(dtype|float32|bfloat16) "
   fi
+  if ! (cd "$WORK/benchmarks" && $PY "${timer[@]}" >"$WORK/time.log" 2>&1); then
+    tail -20 "$WORK/time.log"; echo "== $name: the timing run failed"; exit 1
+  fi
+  grep -E "$rows" "$WORK/time.log"
 done
-if [ "$CHECK" = 0 ]; then $PY -m pip install -q --no-build-isolation --no-deps -e "$ROOT" >/dev/null 2>&1; fi

@@ -300,7 +300,7 @@ def main() -> None:
     return floors[nbytes]
 
   empty = empty_ffi_call(args.ops)
-  kinds = args.kernels.split(",")
+  kinds = list(dict.fromkeys(args.kernels.split(",")))  # each kind once
   if not kinds or set(kinds) - {"ffi", "triton"}:
     sys.exit(f"--kernels takes ffi and triton, not {args.kernels!r}")
   for kernels in kinds:

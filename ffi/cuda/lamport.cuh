@@ -92,7 +92,7 @@ __device__ __forceinline__ int lamport_exchange_with(const ChannelView& v, const
       if (q >= v.world || !ok) continue;
       // Loaded into a local, then stored at the unrolled index: loaded
       // through a reference into staged[q], the array lived in local
-      // memory (ptxas: a 128-byte stack frame, spills for 16-bit dtypes).
+      // memory (ptxas: 128-160 bytes of stack, spills for 16-bit dtypes).
       Pack x;
       if (from_own_input(v, q)) {
         x = own(i);
