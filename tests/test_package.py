@@ -76,7 +76,8 @@ def test_the_cuda_lamport_kernels_keep_their_packs_in_registers(tmp_path):
         frames[name] = (int(stack), int(spills))
   assert len(frames) >= 8, frames  # the Lamport all_reduce, fused and dcp kernels of each dtype
   assert all(spills == 0 for _, spills in frames.values()), frames
-  assert all(stack == 0 for name, (stack, _) in frames.items() if "dcp" not in name), frames
+  # dcp_a2a's Lamport kernel keeps 32 bytes of stack outside the staging array (not looked into): no more.
+  assert all(stack <= (32 if "dcp" in name else 0) for name, (stack, _) in frames.items()), frames
 
 
 @pytest.mark.parametrize("example", ["dcp_decode.py", "speculative_decoding.py"])
