@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
 # What each step of the Lamport kernels costs (docs/DESIGN.md, "Lamport",
 # "Triton kernels"): scratch builds of a copy of the tree, each with one
-# step taken out (or a candidate change put in), timed through loopback: an
-# edit of ffi/cuda/ by breakdown.py (the FFI all_reduce), an edit of
-# b12x_jax/ or a patch of benchmarks/ablations/ by loopback_kernels.py (the
-# Triton all_reduce, each size in turn with its floor, results checked
+# step taken out (or a variant put in), timed through loopback: an edit of
+# ffi/cuda/ by breakdown.py (the FFI all_reduce), an edit of b12x_jax/ by
+# loopback_kernels.py (the Triton all_reduce, each size in turn with its floor, results checked
 # first). A scratch build with a step taken out is wrong by design (no tag
 # check, no bound, no refill): it is installed only for its own timing, and
 # the tree's own build is installed again at the end. On one GPU:
 #   bash benchmarks/ablate.sh [sizes of the FFI builds, default 4096,65536; the Triton ones take every size]
-# or, without a GPU: bash benchmarks/ablate.sh --check (every edit and patch
+# or, without a GPU: bash benchmarks/ablate.sh --check (every edit
 # applies; the all_reduce kernels of each FFI build compile where nvcc is
 # here, each edited Python file compiles)
 # (ABLATE_ONLY: an extended regular expression; only the builds it matches)
@@ -22,8 +21,7 @@ if [ "${1:-}" = --check ]; then CHECK=1; shift; fi
 SIZES=${1:-4096,65536}
 L=ffi/cuda/lamport.cuh
 X=b12x_jax/kernels/exchange.py
-# name | file | sed expression (each must change its file); or name | a patch of
-# benchmarks/ablations/ | (nothing)
+# name | file | sed expression (each must change its file)
 VARIANTS=(
   "as built|$L|"
   "no tag (header neither pushed nor polled)|$L|s/if (threadIdx.x == header_thread) lamport_push_header<CudaMem>(v, c);//; s/if (exchanges_with(v, q) \&\& !await(q, \[\&\] { return lamport_header_state<CudaMem>(v, c, q); })) break;/(void)q;/"
@@ -35,9 +33,8 @@ VARIANTS=(
   "128 threads a block, not 512|ffi/cuda/all_reduce.cu|s/constexpr int kThreads = 512;/constexpr int kThreads = 128;/"
   "256 threads a block, not 512|ffi/cuda/all_reduce.cu|s/constexpr int kThreads = 512;/constexpr int kThreads = 256;/"
   "triton: as built|$X|"
-  "triton: no failure record (its branch gone)|$X|s/  sink = sink | jax.lax.cond(record, record_failure, lambda: _scalars(it, 0)\[0\])//"
+  "triton: no failure record (its branch gone)|$X|s/recorded = jax.lax.cond(record, record_failure, lambda: \\(.*\\))$/recorded = \\1/"
   "triton: no halt check (poison, generation)|$X|s/stale, go = halted == 2, halted == 0/stale, go = rank < 0, rank >= 0/"
-  "triton: the record from lane 0, no reduction, no load unless it records (candidate)|benchmarks/ablations/triton_record_lane0.patch|"
 )
 # The tree's own build goes back however the loop ends (a scratch build is wrong by design).
 if [ "$CHECK" = 0 ]; then trap '$PY -m pip install -q --no-build-isolation --no-deps -e "$ROOT" >/dev/null 2>&1' EXIT; fi
@@ -46,25 +43,13 @@ for variant in "${VARIANTS[@]}"; do
   if [ -n "${ABLATE_ONLY:-}" ] && ! grep -Eq "$ABLATE_ONLY" <<<"$name"; then continue; fi
   rm -rf "$WORK" && mkdir -p "$WORK"
   cp -r "$ROOT"/{ffi,b12x_jax,benchmarks,CMakeLists.txt,pyproject.toml,README.md,LICENSE} "$WORK"
-  edited=()
-  if [[ "$file" == *.patch ]]; then
-    mapfile -t edited < <(sed -n 's|^+++ b/||p' "$ROOT/$file")
-    if command -v patch >/dev/null; then
-      patch --batch --forward -s -p1 -d "$WORK" <"$ROOT/$file" || { echo "== $name: the patch did not apply"; exit 1; }
-    else
-      # Outside any repository (the ceiling), or git would apply nothing to a scratch copy inside one.
-      (cd "$WORK" && GIT_CEILING_DIRECTORIES="$(dirname "$WORK")" git apply - <"$ROOT/$file") \
-        || { echo "== $name: the patch did not apply"; exit 1; }
-    fi
-  elif [ -n "$edit" ]; then
+  if [ -n "$edit" ]; then
     sed -i "$edit" "$WORK/$file"
-    edited=("$file")
+    # an edit that changed nothing would time the tree as built under its name
+    if cmp -s "$ROOT/$file" "$WORK/$file"; then echo "== $name: the edit of $file did not apply"; exit 1; fi
   fi
-  for f in "${edited[@]}"; do  # an edit that changed nothing would time the tree as built under its name
-    if cmp -s "$ROOT/$f" "$WORK/$f"; then echo "== $name: the edit of $f did not apply"; exit 1; fi
-  done
   if [ "$CHECK" = 1 ]; then
-    for f in "${edited[@]}"; do
+    for f in ${edit:+"$file"}; do
       case "$f" in
         *.py) $PY -m py_compile "$WORK/$f" || { echo "== $name: $f does not compile"; exit 1; } ;;
         ffi/*)
@@ -82,7 +67,7 @@ for variant in "${VARIANTS[@]}"; do
   $PY -m pip install -q --no-build-isolation --no-deps -e "$WORK" >"$WORK/build.log" 2>&1 || { tail -20 "$WORK/build.log"; exit 1; }
   if [[ "$file" == ffi/* ]]; then
     timer=(breakdown.py --kinds ffi --sizes "$SIZES" --iters 15) rows="^ +[0-9]+ (KiB|MiB)"
-  else  # the Triton kernel (edits of b12x_jax/, the patches), each size beside its floor, checked first
+  else  # the Triton kernel (edits of b12x_jax/), each size beside its floor, checked first
     timer=(loopback_kernels.py --kernels triton --skip-fused --skip-dcp --iters 15) rows="^ *(dtype|float32|bfloat16) "
   fi
   if ! (cd "$WORK/benchmarks" && $PY "${timer[@]}" >"$WORK/time.log" 2>&1); then

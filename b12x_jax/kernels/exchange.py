@@ -570,29 +570,36 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
   record = jnp.logical_or(stale, jnp.logical_or(timed_out, mismatch))
 
   def record_failure():
+    # Lane 0 writes the record from its own readings, without a reduction,
+    # and every load is off unless the call records: where the compiler
+    # hoists this pure code out of the branch, a call that does not fail
+    # pays no load and no barrier for it.
     dep = jnp.broadcast_to(it, control)
-    headers = [load_if(own_lamport, header_offset(buffer, q), in_header, dep) for q in sources]
-    mismatch_peer = first_of([jnp.logical_and(exchanges_with(q), any_(other_call(h))) for q, h in zip(sources, headers)])
-    header = jnp.zeros(control, U32)  # the header the mismatching peer wrote
-    for q, h in zip(sources, headers):
-      header = jnp.where(jnp.logical_and(mismatch, mismatch_peer == q), h, header)
-    seen = [jnp.max(jnp.where(lanes == k, header, 0)) for k in range(4)]
+    reads = jnp.logical_and(record, lanes == 0)
+    header_words = [[load_if(own_lamport, header_offset(buffer, q) - 4 * (lanes & 3) + 4 * k, reads, dep)
+                     for k in range(4)] for q in sources]
+    other = [functools.reduce(jnp.logical_or, [jnp.logical_and(w != empty, w != jnp.full(control, plan.tag[k], U32))
+                                               for k, w in enumerate(words)]) for words in header_words]
+    mismatch_peer = first_of([jnp.logical_and(exchanges_with(q), other[q]) for q in sources])
+    seen = [zero] * 4  # the header the mismatching peer wrote
+    for q, words in zip(sources, header_words):
+      seen = [jnp.where(jnp.logical_and(mismatch, mismatch_peer == q), w, s) for w, s in zip(words, seen)]
     kind = jnp.where(stale, kinds[0], jnp.where(mismatch, kinds[1], kinds[2]))
     peer = jnp.where(stale, -1, jnp.where(mismatch, mismatch_peer, failed_peer))
     epoch = jnp.where(stale, lowered_for, calls + 1)
     # `record` in the predicate too: the asm is pure to the compiler, which may hoist it out of this branch.
-    return jnp.max(asm(_record_asm(err_off, sig_off["poisoned"], plan.error_complete), *own_signal, *error,
-                       jnp.logical_and(record, lanes == 0).astype(U32), kind, rank, peer.astype(U32), epoch,
-                       jnp.logical_and(gave_up, timed_out).astype(U32), first_call.astype(U32),
-                       *[jnp.int32(t) for t in plan.tag], *seen, jnp.max(generation), dep))
+    return asm(_record_asm(err_off, sig_off["poisoned"], plan.error_complete), *own_signal, *error,
+               reads.astype(U32), kind, rank, peer.astype(U32), epoch,
+               jnp.logical_and(gave_up, timed_out).astype(U32), first_call.astype(U32),
+               *[jnp.int32(t) for t in plan.tag], *seen, generation, dep)
 
-  sink = sink | jax.lax.cond(record, record_failure, lambda: _scalars(it, 0)[0])
+  recorded = jax.lax.cond(record, record_failure, lambda: jnp.broadcast_to(_scalars(it, 0)[0], control))
   done = jnp.logical_and(go, jnp.logical_not(jnp.logical_or(timed_out, mismatch)))
 
   # 6. Advance (lamport.h lamport_advance), after the failure record: the
-  #    refill's chain started before the polls, so `sink` (the record, the
-  #    row's share) joins it here, or nothing would keep the record.
-  refilled = refilled | jnp.broadcast_to(sink, control)
+  #    refill's chain started before the polls, so the record and `sink`
+  #    (the row's share) join it here, or nothing would keep the record.
+  refilled = refilled | recorded | jnp.broadcast_to(sink, control)
   following = jnp.where(buffer == 2, jnp.int32(0), buffer + 1)
   head = jnp.logical_and(done, lanes == 0)
   for name, value in (("served", 1), ("lamport_calls", calls + 1), ("lamport_buffer", following),
