@@ -34,6 +34,7 @@ VARIANTS=(
   "256 threads a block, not 512|ffi/cuda/all_reduce.cu|s/constexpr int kThreads = 512;/constexpr int kThreads = 256;/"
   "triton: as built|$X|"
   "triton: no failure record (its branch gone)|$X|s/recorded = jax.lax.cond(record, record_failure, lambda: \\(.*\\))$/recorded = \\1/"
+  "triton: the record without its branch (every step predicated on the call recording)|$X|s/recorded = jax.lax.cond(record, record_failure, lambda: .*)$/recorded = record_failure()/"
   "triton: no halt check (poison, generation)|$X|s/stale, go = halted == 2, halted == 0/stale, go = rank < 0, rank >= 0/"
 )
 # The tree's own build goes back however the loop ends (a scratch build is wrong by design).
