@@ -420,7 +420,7 @@ def test_every_inline_asm_the_exchange_emits_survives_in_the_kernel(monkeypatch,
   kept = {code: text.count(code) for code in emitted}
   assert kept == dict(emitted), [(n, kept[code], code[:80]) for code, n in emitted.items() if kept[code] != n]
   # The record's branch holds no reduction: inline asm is pure, so the compiler may hoist the
-  # branch onto every call, and a reduction across warps is a barrier (docs/DESIGN.md, "Few reductions").
+  # branch onto every call, and a reduction across warps is a barrier (docs/DESIGN.md, "Triton kernels").
   (branch,) = [b for b in _cond_branches(traced.jaxpr) if "atom.global.cas" in str(b)]
   assert not [e.primitive.name for e in _equations(branch) if e.primitive.name.startswith("reduce_")], branch
 
@@ -435,7 +435,7 @@ def _equations(jaxpr):
 
 def _cond_branches(jaxpr):
   """The branches of every cond in ``jaxpr``, at any depth."""
-  return [b.jaxpr for e in _equations(jaxpr) if e.primitive.name == "cond" for b in e.params["branches"]]
+  return [b for e in _equations(jaxpr) if e.primitive.name == "cond" for b in e.params["branches"]]
 
 
 @pytest.mark.parametrize("shape, blocks, cell, plan", [

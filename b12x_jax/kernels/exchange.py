@@ -218,7 +218,7 @@ def _record_asm(error_offsets: dict, poisoned_offset: int, complete: int) -> str
           f"@p atom.global.cas.b32 old, [s+{poisoned_offset}], 0, 1; "
           "setp.eq.and.u32 won, old, 0, p; " + " ".join(stores) +
           f" @won fence.acq_rel.sys; @won st.release.sys.global.u32 [e+{e['state']}], {complete}; "
-          "mov.u32 $0, 0; }")  # 0, as every store's result: it joins `sink`
+          "mov.u32 $0, 0; }")  # 0, as every store's result: it joins the advance's chain
 
 
 def halves(words: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -351,8 +351,11 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
   def cell_offset(buf, source):
     return ((buf * plan.world + source) * plan.max_blocks + block) * plan.cell_bytes
 
-  def header_offset(buf, source):
-    return plan.cells_bytes + ((buf * plan.world + source) * plan.max_blocks + block) * 16 + 4 * (lanes & 3)
+  def header_base(buf, source):  # the header's first word
+    return plan.cells_bytes + ((buf * plan.world + source) * plan.max_blocks + block) * 16
+
+  def header_offset(buf, source):  # word k at lanes k, k + 4, ...
+    return header_base(buf, source) + 4 * (lanes & 3)
 
   def tag_of(words):  # word k of the tag at lanes k, k + 4, ...
     out = jnp.full(words.shape, plan.tag[3], U32)
@@ -560,7 +563,7 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
   # 5. A failure is recorded once per channel (the poison word's claim); a
   #    row whose programs did not all meet, where this program's own waits
   #    ended well, names this rank. Only a failing call reads what the
-  #    record needs (the headers a peer wrote, the generation).
+  #    record needs (the headers a peer wrote).
   # int32 constants, not Python ints: jnp.where(b, 1, 0) lowers to a 1-bit value in Pallas Triton.
   kinds = [jnp.int32(k) for k in (plan.failure_stale, plan.failure_mismatch, plan.failure_timeout)]
   if met_late is not None:
@@ -576,7 +579,7 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
     # pays no load and no barrier for it.
     dep = jnp.broadcast_to(it, control)
     reads = jnp.logical_and(record, lanes == 0)
-    header_words = [[load_if(own_lamport, header_offset(buffer, q) - 4 * (lanes & 3) + 4 * k, reads, dep)
+    header_words = [[load_if(own_lamport, header_base(buffer, q) + 4 * k, reads, dep)
                      for k in range(4)] for q in sources]
     other = [functools.reduce(jnp.logical_or, [jnp.logical_and(w != empty, w != jnp.full(control, plan.tag[k], U32))
                                                for k, w in enumerate(words)]) for words in header_words]
