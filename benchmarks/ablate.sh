@@ -3,10 +3,11 @@
 # "Triton kernels"): scratch builds of a copy of the tree, each with one
 # step taken out (or a variant put in), timed through loopback: an edit of
 # ffi/cuda/ by breakdown.py (the FFI all_reduce), an edit of b12x_jax/ by
-# loopback_kernels.py (the Triton all_reduce, each size in turn with its floor, results checked
-# first). A scratch build with a step taken out is wrong by design (no tag
-# check, no bound, no refill): it is installed only for its own timing, and
-# the tree's own build is installed again at the end. On one GPU:
+# loopback_kernels.py (the Triton all_reduce, each size in turn with its
+# floor, results checked first). A scratch build with a step taken out is
+# wrong by design (no tag check, no bound, no refill): it is installed only
+# for its own timing, and the tree's own build is installed again at the
+# end. On one GPU:
 #   bash benchmarks/ablate.sh [sizes of the FFI builds, default 4096,65536; the Triton ones take every size]
 # or, without a GPU: bash benchmarks/ablate.sh --check (every edit
 # applies; the all_reduce kernels of each FFI build compile where nvcc is

@@ -600,8 +600,8 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
   done = jnp.logical_and(go, jnp.logical_not(jnp.logical_or(timed_out, mismatch)))
 
   # 6. Advance (lamport.h lamport_advance), after the failure record: the
-  #    refill's chain started before the polls, so the record and `sink`
-  #    (the row's share) join it here, or nothing would keep the record.
+  #    refill's chain started before the polls, so the record and the
+  #    row's share (in `sink`) join it here, or nothing would keep them.
   refilled = refilled | recorded | jnp.broadcast_to(sink, control)
   following = jnp.where(buffer == 2, jnp.int32(0), buffer + 1)
   head = jnp.logical_and(done, lanes == 0)
