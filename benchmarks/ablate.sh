@@ -12,7 +12,12 @@
 # or, without a GPU: bash benchmarks/ablate.sh --check (every edit
 # applies; the all_reduce kernels of each FFI build compile where nvcc is
 # here, each edited Python file compiles)
-# (ABLATE_ONLY: an extended regular expression; only the builds it matches)
+# (ABLATE_ONLY: an extended regular expression; only the builds it matches.
+# ABLATE_KERNELS: a folder that holds another tree's b12x_jax/kernels, e.g.
+# `git archive main b12x_jax/kernels | tar -x -C DIR`: a build with them,
+# timed beside this tree's in the same run. ABLATE_TRITON_ARGS: what else
+# the Triton builds time, default "--skip-fused --skip-dcp": "" times the
+# fused op and dcp_a2a too.)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${ABLATE_DIR:-/tmp/b12x_ablate}
@@ -38,6 +43,11 @@ VARIANTS=(
   "triton: the record without its branch (every step predicated on the call recording)|$X|s/recorded = jax.lax.cond(record, record_failure, lambda: .*)$/recorded = record_failure()/"
   "triton: no halt check (poison, generation)|$X|s/stale, go = halted == 2, halted == 0/stale, go = rank < 0, rank >= 0/"
 )
+if [ -n "${ABLATE_KERNELS:-}" ]; then
+  KERNELS=$(cd "$ABLATE_KERNELS" && pwd)/b12x_jax/kernels
+  [ -d "$KERNELS" ] || { echo "ABLATE_KERNELS: no b12x_jax/kernels in $ABLATE_KERNELS"; exit 1; }
+  VARIANTS+=("triton: the kernels of $ABLATE_KERNELS|b12x_jax/kernels|@$KERNELS")
+fi
 # The tree's own build goes back however the loop ends (a scratch build is wrong by design).
 if [ "$CHECK" = 0 ]; then trap '$PY -m pip install -q --no-build-isolation --no-deps -e "$ROOT" >/dev/null 2>&1' EXIT; fi
 for variant in "${VARIANTS[@]}"; do
@@ -45,7 +55,10 @@ for variant in "${VARIANTS[@]}"; do
   if [ -n "${ABLATE_ONLY:-}" ] && ! grep -Eq "$ABLATE_ONLY" <<<"$name"; then continue; fi
   rm -rf "$WORK" && mkdir -p "$WORK"
   cp -r "$ROOT"/{ffi,b12x_jax,benchmarks,CMakeLists.txt,pyproject.toml,README.md,LICENSE} "$WORK"
-  if [ -n "$edit" ]; then
+  if [[ "$edit" == @* ]]; then  # another tree's folder in place of this one's
+    rm -rf "${WORK:?}/$file" && cp -r "${edit#@}" "$WORK/$file" && rm -rf "$WORK/$file/__pycache__"
+    if diff -rq -x __pycache__ "$ROOT/$file" "$WORK/$file" >/dev/null; then echo "== $name: the same $file"; exit 1; fi
+  elif [ -n "$edit" ]; then
     sed -i "$edit" "$WORK/$file"
     # an edit that changed nothing would time the tree as built under its name
     if cmp -s "$ROOT/$file" "$WORK/$file"; then echo "== $name: the edit of $file did not apply"; exit 1; fi
@@ -54,6 +67,7 @@ for variant in "${VARIANTS[@]}"; do
     for f in ${edit:+"$file"}; do
       case "$f" in
         *.py) $PY -m py_compile "$WORK/$f" || { echo "== $name: $f does not compile"; exit 1; } ;;
+        b12x_jax/*) for g in "$WORK/$f"/*.py; do $PY -m py_compile "$g" || { echo "== $name: $g does not compile"; exit 1; }; done ;;
         ffi/*)
           if command -v nvcc >/dev/null; then
             nvcc -std=c++17 -arch=sm_90 -ptx -I "$WORK/ffi" -isystem "$($PY -c 'import jax.ffi; print(jax.ffi.include_dir())')" \
@@ -70,7 +84,9 @@ for variant in "${VARIANTS[@]}"; do
   if [[ "$file" == ffi/* ]]; then
     timer=(breakdown.py --kinds ffi --sizes "$SIZES" --iters 15) rows="^ +[0-9]+ (KiB|MiB)"
   else  # the Triton kernel (edits of b12x_jax/), each size beside its floor, checked first
-    timer=(loopback_kernels.py --kernels triton --skip-fused --skip-dcp --iters 15) rows="^ *(dtype|float32|bfloat16) "
+    # ABLATE_TRITON_ARGS unquoted: its words are arguments
+    timer=(loopback_kernels.py --kernels triton ${ABLATE_TRITON_ARGS---skip-fused --skip-dcp} --iters 15)
+    rows="^ *(dtype|float32|bfloat16|rows x hidden|B x H x D|[0-9]+ x [0-9]+) "
   fi
   if ! (cd "$WORK/benchmarks" && $PY "${timer[@]}" >"$WORK/time.log" 2>&1); then
     tail -20 "$WORK/time.log"; echo "== $name: the timing run failed"; exit 1
