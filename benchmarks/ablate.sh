@@ -27,6 +27,7 @@ if [ "${1:-}" = --check ]; then CHECK=1; shift; fi
 SIZES=${1:-4096,65536}
 L=ffi/cuda/lamport.cuh
 X=b12x_jax/kernels/exchange.py
+R=b12x_jax/kernels/residual_rmsnorm.py
 # name | file | sed expression (each must change its file)
 VARIANTS=(
   "as built|$L|"
@@ -42,6 +43,8 @@ VARIANTS=(
   "triton: no failure record (its branch gone)|$X|s/recorded = jax.lax.cond(record, record_failure, lambda: \\(.*\\))$/recorded = \\1/"
   "triton: the record without its branch (every step predicated on the call recording)|$X|s/recorded = jax.lax.cond(record, record_failure, lambda: .*)$/recorded = record_failure()/"
   "triton: no halt check (poison, generation)|$X|s/stale, go = halted == 2, halted == 0/stale, go = rank < 0, rank >= 0/"
+  "triton: the fused op with twice the warps|$R|s/warps = warps_for(W, wide_warps(W \* plan.world))/warps = warps_for(W, 2 * wide_warps(W * plan.world))/"
+  "triton: the fused op's rows split from 2048 words, not 4096|$R|s/^SPLIT_ROW_WORDS = 4096$/SPLIT_ROW_WORDS = 2048/"
 )
 if [ -n "${ABLATE_KERNELS:-}" ]; then
   KERNELS=$(cd "$ABLATE_KERNELS" && pwd)/b12x_jax/kernels
