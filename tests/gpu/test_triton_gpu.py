@@ -167,3 +167,55 @@ def test_the_dcp_merge_of_one_source_gives_back_its_input_in_the_lamport_window(
           assert comm.decisions[-1].kernel == kind and "lamport" in comm.decisions[-1].reason, comm.decisions[-1]
     assert comm.stats("dcp", mesh.devices.flat[0])["epoch"] == 6 * len(shapes)
     comm.check_errors()
+
+
+
+# One call of each Triton kernel through loopback, in a process of its own that dumps XLA's PTX.
+_DUMP_THE_KERNELS = """
+import jax, jax.numpy as jnp, numpy as np, b12x_jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+mesh = jax.make_mesh((1,), ("x",), devices=jax.devices("gpu")[:1])
+put = lambda a: jax.device_put(jnp.asarray(a), NamedSharding(mesh, P("x")))
+run = lambda body, specs, *args: jax.block_until_ready(jax.jit(jax.shard_map(
+    body, mesh=mesh, in_specs=specs, out_specs=P("x"), check_vma=False))(*args))
+comm = b12x_jax.Communicator(loopback=True, kernels="triton")
+b12x_jax.get_communicator().close(); b12x_jax.set_communicator(comm)
+rng = np.random.default_rng(0)
+rows = rng.standard_normal((1, 1, 4096)).astype(jnp.bfloat16)
+with b12x_jax.channel("pdl"):
+  run(lambda v: b12x_jax.all_reduce(v, "x"), P("x"), put(rng.standard_normal(4096).astype(np.float32)))
+  run(lambda v, r, w: [y[None] for y in b12x_jax.all_reduce_residual_rmsnorm(v[0], r, w, "x")], (P("x"), P(), P()),
+      put(rows), jnp.asarray(rows[0]), jnp.asarray(rows[0, 0]))
+  run(lambda o, l: b12x_jax.dcp_a2a(o, l, "x", return_lse=True), (P("x"), P("x")),
+      put(rng.standard_normal((1, 8, 128)).astype(jnp.bfloat16)), put(rng.standard_normal((1, 8)).astype(np.float32)))
+print("KINDS", sorted({d.kernel for d in comm.decisions}))
+comm.check_errors(); comm.close()
+"""
+
+
+def test_every_triton_kernel_waits_for_the_kernel_before_it_first(tmp_path):
+  # XLA launches its Triton kernels, ours too, with programmatic dependent launch where it can (jaxlib
+  # 0.11: xla_gpu_enable_pdl, on by default from Hopper): the next kernel on the stream may start before
+  # this one ends, and waits in griddepcontrol.wait. A call's first loads read the Signal words the
+  # channel's previous call wrote (docs/DESIGN.md, "Call order"), so in XLA's PTX of each kernel of ours
+  # the wait, where there is one, comes before any access to global memory.
+  import os
+  import re
+  import subprocess
+  import sys
+  env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "XLA_FLAGS": f"--xla_dump_to={tmp_path}"}
+  proc = subprocess.run([sys.executable, "-c", _DUMP_THE_KERNELS], capture_output=True, text=True, timeout=300, env=env)
+  assert proc.returncode == 0 and "KINDS ['triton']" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+  kernels = {}
+  for path in tmp_path.glob("*.ptx"):
+    for name, body in re.findall(r"\.entry\s+(\w+)(.*?)(?=\.entry\s|\Z)", path.read_text(), flags=re.S):
+      op = re.search(r"b12x_(all_reduce|residual_rmsnorm|dcp_a2a)", name)
+      if op:
+        kernels[name] = (op.group(1), body)
+  ops = sorted({op for op, _ in kernels.values()})
+  assert ops == ["all_reduce", "dcp_a2a", "residual_rmsnorm"], (ops, sorted(p.name for p in tmp_path.glob("*.ptx")))
+  for name, (_, body) in kernels.items():
+    memory = re.search(r"\b(ld|st|atom|red)(\.\w+)*\.global\b", body)
+    assert memory is not None, name
+    wait = body.find("griddepcontrol.wait")
+    assert wait < 0 or wait < memory.start(), (name, body[max(0, memory.start() - 300):memory.start() + 100])
