@@ -193,7 +193,7 @@ comm.check_errors(); comm.close()
 """
 
 
-def test_every_triton_kernel_waits_for_the_kernel_before_it_first(tmp_path):
+def test_every_triton_kernel_waits_for_the_kernel_before_it_and_lets_none_start_early(tmp_path):
   # XLA launches its Triton kernels, ours too, with programmatic dependent launch where it can (jaxlib
   # 0.11: xla_gpu_enable_pdl, on by default from Hopper): the next kernel on the stream may start before
   # this one ends, and waits in griddepcontrol.wait. A call's first loads read the Signal words the
@@ -219,3 +219,6 @@ def test_every_triton_kernel_waits_for_the_kernel_before_it_first(tmp_path):
     assert memory is not None, name
     wait = body.find("griddepcontrol.wait")
     assert wait < 0 or wait < memory.start(), (name, body[max(0, memory.start() - 300):memory.start() + 100])
+    # Nor does a kernel of ours let the next one start early: XLA guards a fusion's non-coherent loads
+    # only behind the producers it lets do that itself (docs/DESIGN.md, "Call order").
+    assert "griddepcontrol.launch_dependents" not in body, name
