@@ -3,8 +3,9 @@
 # "Triton kernels"): scratch builds of a copy of the tree, each with one
 # step taken out (or a variant put in), timed through loopback: an edit of
 # ffi/cuda/ by breakdown.py (the FFI all_reduce), an edit of b12x_jax/ by
-# loopback_kernels.py (the Triton all_reduce, each size in turn with its
-# floor, results checked first). A scratch build with a step taken out is
+# loopback_kernels.py (the Triton all_reduce, and the fused op where the
+# edit is of its kernel, each size in turn with its floor, results checked
+# first). A scratch build with a step taken out is
 # wrong by design (no tag check, no bound, no refill): it is installed only
 # for its own timing, and the tree's own build is installed again at the
 # end. On one GPU:
@@ -16,8 +17,8 @@
 # ABLATE_KERNELS: a folder that holds another tree's b12x_jax/kernels, e.g.
 # `git archive main b12x_jax/kernels | tar -x -C DIR`: a build with them,
 # timed beside this tree's in the same run. ABLATE_TRITON_ARGS: what else
-# the Triton builds time, default "--skip-fused --skip-dcp": "" times the
-# fused op and dcp_a2a too.)
+# the Triton builds time, default "--skip-fused --skip-dcp" ("--skip-dcp"
+# for an edit of the fused op's kernel): "" times the fused op and dcp_a2a.)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${ABLATE_DIR:-/tmp/b12x_ablate}
@@ -44,7 +45,6 @@ VARIANTS=(
   "triton: the record without its branch (every step predicated on the call recording)|$X|s/recorded = jax.lax.cond(record, record_failure, lambda: .*)$/recorded = record_failure()/"
   "triton: no halt check (poison, generation)|$X|s/stale, go = halted == 2, halted == 0/stale, go = rank < 0, rank >= 0/"
   "triton: the fused op with twice the warps|$R|s/warps = warps_for(W, wide_warps(W \* plan.world))/warps = warps_for(W, 2 * wide_warps(W * plan.world))/"
-  "triton: the fused op's rows split from 2048 words, not 4096|$R|s/^SPLIT_ROW_WORDS = 4096$/SPLIT_ROW_WORDS = 2048/"
 )
 if [ -n "${ABLATE_KERNELS:-}" ]; then
   KERNELS=$(cd "$ABLATE_KERNELS" && pwd)/b12x_jax/kernels
@@ -59,7 +59,7 @@ for variant in "${VARIANTS[@]}"; do
   rm -rf "$WORK" && mkdir -p "$WORK"
   cp -r "$ROOT"/{ffi,b12x_jax,benchmarks,CMakeLists.txt,pyproject.toml,README.md,LICENSE} "$WORK"
   if [[ "$edit" == @* ]]; then  # another tree's folder in place of this one's
-    rm -rf "${WORK:?}/$file" && cp -r "${edit#@}" "$WORK/$file" && rm -rf "$WORK/$file/__pycache__"
+    rm -rf "${WORK:?}/$file" && cp -r "${edit#@}" "$WORK/$file" && rm -rf "$WORK/$file/__pycache__" || exit 1
     if diff -rq -x __pycache__ "$ROOT/$file" "$WORK/$file" >/dev/null; then echo "== $name: the same $file"; exit 1; fi
   elif [ -n "$edit" ]; then
     sed -i "$edit" "$WORK/$file"
@@ -87,8 +87,10 @@ for variant in "${VARIANTS[@]}"; do
   if [[ "$file" == ffi/* ]]; then
     timer=(breakdown.py --kinds ffi --sizes "$SIZES" --iters 15) rows="^ +[0-9]+ (KiB|MiB)"
   else  # the Triton kernel (edits of b12x_jax/), each size beside its floor, checked first
+    skip="--skip-fused --skip-dcp"
+    if [ "$file" = "$R" ]; then skip="--skip-dcp"; fi
     # ABLATE_TRITON_ARGS unquoted: its words are arguments
-    timer=(loopback_kernels.py --kernels triton ${ABLATE_TRITON_ARGS---skip-fused --skip-dcp} --iters 15)
+    timer=(loopback_kernels.py --kernels triton ${ABLATE_TRITON_ARGS-$skip} --iters 15)
     rows="^ *(dtype|float32|bfloat16|rows x hidden|B x H x D|[0-9]+ x [0-9]+) "
   fi
   if ! (cd "$WORK/benchmarks" && $PY "${timer[@]}" >"$WORK/time.log" 2>&1); then

@@ -73,6 +73,10 @@ def test_the_ablation_times_another_trees_kernels_only_where_they_differ(tmp_pat
   proc = subprocess.run(["bash", script, "--check"], capture_output=True, text=True, timeout=120, env=env)
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
   assert re.findall(r"^== (.*): applies$", proc.stdout, flags=re.M) == [f"triton: the kernels of {other}"], proc.stdout
+  with open(other / "b12x_jax" / "kernels" / "exchange.py", "a") as f:
+    f.write("\nCHECK_EVERY =\n")
+  broken = subprocess.run(["bash", script, "--check"], capture_output=True, text=True, timeout=120, env=env)
+  assert broken.returncode != 0 and "exchange.py does not compile" in broken.stdout, broken.stdout + broken.stderr
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc here: the CUDA kernels are not built")

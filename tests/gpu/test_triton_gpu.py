@@ -5,8 +5,9 @@ its input, bit for bit, at every power-of-two size of the Lamport window,
 float32 and bfloat16, with poisoned outputs; Triton and FFI calls interleave on one channel; the
 kernel is right across the counter wrap; and an executable lowered before
 a release never runs on the channel's memory afterwards: NaN outputs and an
-error from check_errors, after the release and after the next preparation.
-Across ranks: tests/test_gpu_rig.py."""
+error from check_errors, after the release and after the next preparation;
+and in XLA's PTX each kernel waits for the kernel before it first and lets
+none start early. Across ranks: tests/test_gpu_rig.py."""
 
 from __future__ import annotations
 
@@ -169,7 +170,6 @@ def test_the_dcp_merge_of_one_source_gives_back_its_input_in_the_lamport_window(
     comm.check_errors()
 
 
-
 # One call of each Triton kernel through loopback, in a process of its own that dumps XLA's PTX.
 _DUMP_THE_KERNELS = """
 import jax, jax.numpy as jnp, numpy as np, b12x_jax
@@ -194,30 +194,34 @@ comm.check_errors(); comm.close()
 
 
 def test_every_triton_kernel_waits_for_the_kernel_before_it_and_lets_none_start_early(tmp_path):
-  # XLA launches its Triton kernels, ours too, with programmatic dependent launch where it can (jaxlib
-  # 0.11: xla_gpu_enable_pdl, on by default from Hopper): the next kernel on the stream may start before
-  # this one ends, and waits in griddepcontrol.wait. A call's first loads read the Signal words the
-  # channel's previous call wrote (docs/DESIGN.md, "Call order"), so in XLA's PTX of each kernel of ours
-  # the wait, where there is one, comes before any access to global memory.
+  # XLA launches its Triton kernels, ours too, with programmatic dependent launch from Hopper (jaxlib
+  # 0.11: xla_gpu_enable_pdl, on by default): a kernel may start before the one before it ends, and
+  # waits in griddepcontrol.wait. A call's first loads read the Signal words the channel's previous call
+  # wrote (docs/DESIGN.md, "Call order"), so in XLA's PTX of each kernel of ours the wait comes first,
+  # before any access to global memory (and there is none below Hopper).
   import os
   import re
   import subprocess
   import sys
-  env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "XLA_FLAGS": f"--xla_dump_to={tmp_path}"}
+  # XLA writes PTX only where an emitter pattern asks (--xla_dump_emitter_re).
+  env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+         "XLA_FLAGS": f"--xla_dump_to={tmp_path} --xla_dump_emitter_re=.*"}
   proc = subprocess.run([sys.executable, "-c", _DUMP_THE_KERNELS], capture_output=True, text=True, timeout=300, env=env)
   assert proc.returncode == 0 and "KINDS ['triton']" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
   kernels = {}
-  for path in tmp_path.glob("*.ptx"):
+  for path in tmp_path.rglob("*.ptx"):
     for name, body in re.findall(r"\.entry\s+(\w+)(.*?)(?=\.entry\s|\Z)", path.read_text(), flags=re.S):
       op = re.search(r"b12x_(all_reduce|residual_rmsnorm|dcp_a2a)", name)
       if op:
         kernels[name] = (op.group(1), body)
   ops = sorted({op for op, _ in kernels.values()})
-  assert ops == ["all_reduce", "dcp_a2a", "residual_rmsnorm"], (ops, sorted(p.name for p in tmp_path.glob("*.ptx")))
+  assert ops == ["all_reduce", "dcp_a2a", "residual_rmsnorm"], (ops, sorted(p.name for p in tmp_path.rglob("*.ptx")))
+  hopper = float(jax.devices("gpu")[0].compute_capability) >= 9.0  # where XLA launches them so
   for name, (_, body) in kernels.items():
     memory = re.search(r"\b(ld|st|atom|red)(\.\w+)*\.global\b", body)
     assert memory is not None, name
     wait = body.find("griddepcontrol.wait")
+    assert (wait >= 0) == hopper, (name, hopper)
     assert wait < 0 or wait < memory.start(), (name, body[max(0, memory.start() - 300):memory.start() + 100])
     # Nor does a kernel of ours let the next one start early: XLA guards a fusion's non-coherent loads
     # only behind the producers it lets do that itself (docs/DESIGN.md, "Call order").
