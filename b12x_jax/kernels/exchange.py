@@ -366,6 +366,9 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
   tag_words = tag_of(lanes)
   empty = plan.empty_word
 
+  def arrived_not(words, tag):  # header words that arrived and are not `tag` (lamport_header_state)
+    return jnp.logical_and(words != empty, words != tag)
+
   def on_the_wire(words):
     return jnp.where(words == empty, jnp.full(words.shape, plan.nan_word, U32), words)
 
@@ -439,8 +442,8 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
   def empty_in(cell, header):
     return jnp.logical_or(jnp.logical_and(in_cell, cell == empty), jnp.logical_and(in_header, header == empty))
 
-  def other_call(header):  # header words that arrived and are not this call's tag
-    return jnp.logical_and(in_header, jnp.logical_and(header != empty, header != tag_words))
+  def other_call(header):  # on the header's lanes: words of another call
+    return jnp.logical_and(in_header, arrived_not(header, tag_words))
 
   def state(cells, headers):
     codes = [jnp.where(exchanges_with(q), jnp.where(other_call(h), jnp.int32(3), jnp.where(
@@ -581,7 +584,7 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
     reads = jnp.logical_and(record, lanes == 0)
     header_words = [[load_if(own_lamport, header_base(buffer, q) + 4 * k, reads, dep)
                      for k in range(4)] for q in sources]
-    other = [functools.reduce(jnp.logical_or, [jnp.logical_and(w != empty, w != jnp.full(control, plan.tag[k], U32))
+    other = [functools.reduce(jnp.logical_or, [arrived_not(w, jnp.full(control, plan.tag[k], U32))
                                                for k, w in enumerate(words)]) for words in header_words]
     mismatch_peer = first_of([jnp.logical_and(exchanges_with(q), other[q]) for q in sources])
     seen = [zero] * 4  # the header the mismatching peer wrote
