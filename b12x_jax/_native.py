@@ -294,4 +294,6 @@ def kernel_view(platform: str, channel: str, partition: str, ordinal: int, nbyte
 
 
 def pending_errors() -> list[str]:
+  """The recorded timeouts of this process's ranks, once the host backend's
+  calls queued so far have ended (bounded: each ends within its timeout)."""
   return list(_b12x.pending_errors())

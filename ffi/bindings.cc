@@ -6,6 +6,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
@@ -426,6 +427,17 @@ NB_MODULE(_b12x, m) {
      "(all_reduce.h plan_for) and the protocol's constants.");
 
   m.def("pending_errors", [] {
+    // A call that raised may have a local peer whose own wait is still
+    // running on the host progress thread: let the calls queued so far end
+    // (each within its timeout), so that such a record is read, not missed.
+    double bound = 0;
+    for (const ChannelGroup* group : Registry::get().groups()) {
+      bound = std::max(bound, host_idle_bound_s(group->options()));
+    }
+    {
+      nb::gil_scoped_release unlocked;
+      wait_submitted_host_calls(bound);
+    }
     std::vector<std::string> out;
     for (const ChannelGroup* group : Registry::get().groups()) {
       for (int r = 0; r < group->world(); ++r) {

@@ -173,22 +173,31 @@ def torture_mode(args) -> dict:
   return result
 
 
-def _crossed(mesh):
+def _crossed(mesh, late: float):
   """Rank 0 runs a "target" then a "draft" all-reduce, rank 1 "draft" then
-  "target": each waits for a call its peer queued behind the other one."""
+  "target": each waits for a call its peer queued behind the other one.
+  Rank 1 reaches its first call ``late`` seconds after rank 0 (a host
+  callback sleeps), so its timeout ends after rank 0's error was raised."""
   import jax
   from jax.sharding import PartitionSpec as P
 
   import b12x_jax
 
-  def in_order(first, second):
+  def sleep_then(v):
+    time.sleep(late)
+    return v
+
+  def in_order(first, second, delay):
     def run(x):
+      if delay:
+        x = jax.pure_callback(sleep_then, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
       a = b12x_jax.all_reduce(x, "x", channel=first)
       return a, b12x_jax.all_reduce(x + 0 * a, "x", channel=second)  # issued after the first
     return run
 
   def body(x):
-    a, b = jax.lax.cond(jax.lax.axis_index("x") == 0, in_order("target", "draft"), in_order("draft", "target"), x)
+    a, b = jax.lax.cond(jax.lax.axis_index("x") == 0, in_order("target", "draft", False),
+                        in_order("draft", "target", late > 0), x)
     return a, b
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=(P("x"), P("x")), check_vma=False))
 
@@ -213,7 +222,7 @@ def cross_mode(args) -> dict:
   mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
   shards = random_shards(np.random.default_rng(args.seed), 2, 1024, np.float32)
   x = jax.device_put(shards.reshape(-1), NamedSharding(mesh, P("x")))
-  crossed = _crossed(mesh)
+  crossed = _crossed(mesh, args.late)
   messages, finite = [], None
   start = time.monotonic()
   try:
@@ -454,6 +463,7 @@ def main() -> None:
   parser.add_argument("--op", choices=["all_reduce", "dcp_a2a", "residual_rmsnorm"], default="all_reduce")
   parser.add_argument("--algorithm", choices=["auto", "one_shot", "two_shot", "one_shot_pull"], default="auto")
   parser.add_argument("--xla-flags", default="")
+  parser.add_argument("--late", type=float, default=0.0)
   args = parser.parse_args()
   _setup(args.platform, args.devices, args.xla_flags)
   result = {"timeout": timeout_mode, "graphs": graphs_mode, "dcp": dcp_mode,

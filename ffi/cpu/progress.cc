@@ -22,6 +22,7 @@ struct Pending {
   int phase = 0;
   bool started = false;  // phase `phase` pushed and announced
   Deadline deadline{};
+  uint64_t ticket = 0;  // submission order, over every rank and group
 };
 
 class ProgressEngine {
@@ -31,17 +32,34 @@ class ProgressEngine {
     return *engine;
   }
 
-  // `seconds` bounds the wait for the next call of `group` to finish: the
-  // deadline moves on whenever one does, so a long queue of calls that all
-  // complete is waited for, and a queue that stops moving is not.
   bool wait_idle(const ChannelGroup* group, double seconds) {
+    return wait_for_none(seconds, [group](const auto& key, const Pending&) { return key.first == group; });
+  }
+
+  // Waits for the calls submitted before it was called, not for later ones.
+  bool wait_submitted(double seconds) {
+    const uint64_t now = [this] {
+      std::lock_guard lock(mutex_);
+      return next_ticket_;
+    }();
+    return wait_for_none(seconds, [now](const auto&, const Pending& p) { return p.ticket < now; });
+  }
+
+  // Waits until no queued call matches `counted`. `seconds` bounds the wait
+  // for the next one to finish: the deadline moves on whenever one does, so
+  // a long queue of calls that all complete is waited for, and a queue that
+  // stops moving is not.
+  template <typename Counted>
+  bool wait_for_none(double seconds, Counted counted) {
     const uint64_t bound = static_cast<uint64_t>(seconds * 1e9);
     uint64_t deadline = HostMem::now_ns() + bound;
     size_t last = SIZE_MAX;
     std::unique_lock lock(mutex_);
     for (;;) {
       size_t queued = 0;
-      for (const auto& [key, queue] : queues_) queued += key.first == group ? queue.size() : 0;
+      for (const auto& [key, queue] : queues_) {
+        for (const Pending& p : queue) queued += counted(key, p) ? 1 : 0;
+      }
       if (queued == 0) return true;
       if (queued < last) deadline = HostMem::now_ns() + bound;
       last = queued;
@@ -80,7 +98,7 @@ class ProgressEngine {
       return;
     }
     const auto key = std::make_pair(call->handle.group, call->handle.rank);
-    queues_[key].push_back(Pending{std::move(call)});
+    queues_[key].push_back(Pending{std::move(call), 0, false, {}, next_ticket_++});
     ++pending_;
     wake_.notify_one();
   }
@@ -163,6 +181,7 @@ class ProgressEngine {
   std::condition_variable wake_;
   std::map<std::pair<const ChannelGroup*, int>, std::deque<Pending>> queues_;
   size_t pending_ = 0;
+  uint64_t next_ticket_ = 0;
   bool stopping_ = false;
   static inline std::atomic<int> completing_{0};  // completion threads still inside XLA
   std::thread thread_;  // last: started once the rest is constructed
@@ -178,6 +197,8 @@ void submit_host_call(std::unique_ptr<HostCall> call, const Placement& placement
 bool wait_host_calls(const ChannelGroup* group, double seconds) {
   return ProgressEngine::get().wait_idle(group, seconds);
 }
+
+bool wait_submitted_host_calls(double seconds) { return ProgressEngine::get().wait_submitted(seconds); }
 
 bool shutdown_host_progress(double seconds) { return ProgressEngine::get().shutdown(seconds); }
 

@@ -57,6 +57,10 @@ void submit_host_call(std::unique_ptr<HostCall> call, const Placement& placement
 // false if none of them finished for `seconds`.
 bool wait_host_calls(const ChannelGroup* group, double seconds);
 
+// True once every call submitted before this one finished (its error, if
+// any, recorded); false if none of them finished for `seconds`.
+bool wait_submitted_host_calls(double seconds);
+
 // At exit: waits, at most `seconds`, for every queued call and completion,
 // then stops and joins the progress thread (see progress.cc). True if idle.
 bool shutdown_host_progress(double seconds);
