@@ -1,0 +1,114 @@
+"""The Triton kernels compiled for an H200 without a GPU.
+
+The CPU tests trace the Pallas Triton kernels but never compile them: XLA
+does that on a GPU, with its own Triton. A kernel XLA's Triton cannot
+compile passes every CPU test and crashes each process on a GPU (benchmarks/
+RESULTS.md, 2026-12-05: a segfault in TritonGPURemoveLayoutConversions);
+pip's triton 3.6.0 failed the same way on CPU. So where one is at hand, each
+kernel's Triton IR, as Pallas lowers it for an H200, is compiled to SASS
+with it: the Python that ``B12X_TRITON_PYTHON`` names (.ci/run makes one
+with triton 3.6.0), else this one where it imports triton. A stand-in for
+XLA's Triton, not the same build: a GPU run stays the proof.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+_COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+path, warps = sys.argv[1], int(sys.argv[2])
+kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
+print("compiled", triton.__version__, len(kernel.asm["cubin"]))
+"""
+
+
+def _triton_python() -> str | None:
+  named = os.environ.get("B12X_TRITON_PYTHON")
+  if named:
+    return named
+  return sys.executable if importlib.util.find_spec("triton") else None
+
+
+pytestmark = pytest.mark.skipif(
+    _triton_python() is None,
+    reason="no Triton to compile with: set B12X_TRITON_PYTHON to a Python with triton (pip install triton==3.6.0)")
+
+
+def _lowered(monkeypatch, trace) -> list[tuple[str, int]]:
+  """(Triton IR, warps) of every Pallas Triton kernel ``trace`` lowers for an H200."""
+  from jax._src.pallas.triton import lowering, pallas_call_registration
+  from jax.experimental.pallas import triton as plt
+
+  monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                      lambda: plt.get_gpu_info_from_version(plt.GpuVersion.H200))
+  modules, warps = [], []
+  lower = lowering.lower_jaxpr_to_triton_module
+
+  def keep(*args, **kwargs):
+    result = lower(*args, **kwargs)
+    modules.append(result.module.operation.get_asm())
+    return result
+
+  params = plt.CompilerParams
+
+  def note_warps(**options):
+    warps.append(options["num_warps"])
+    return params(**options)
+
+  monkeypatch.setattr(pallas_call_registration.lowering, "lower_jaxpr_to_triton_module", keep)
+  monkeypatch.setattr(plt, "CompilerParams", note_warps)
+  trace()
+  assert modules and len(modules) == len(warps), (len(modules), warps)
+  return list(zip(modules, warps))
+
+
+def _kernel(name: str):
+  """A function that lowers the named kernel (the plans of tests/test_triton_kernels.py)."""
+  from test_triton_kernels import _plan
+
+  from b12x_jax import kernels as triton
+  row = jax.ShapeDtypeStruct((triton.ROW_WORDS,), jnp.int32)
+  if name.startswith("all_reduce"):
+    plan = dataclasses.replace(_plan(), block_words=512, grid=2)
+    if name.endswith("loopback"):
+      plan = dataclasses.replace(plan, world=1, loopback=True, block_words=1024, grid=1)
+    dtype = "bfloat16" if name.endswith("bfloat16") else "float32"
+    x = jax.ShapeDtypeStruct((1024 if dtype == "float32" else 2048,), dtype)
+    fn = functools.partial(triton.all_reduce.all_reduce, plan=plan, channel="c", poison=False)
+    return lambda: jax.jit(fn).trace(x, row).lower(lowering_platforms=("cuda",))
+  if name == "dcp_a2a":
+    plan = dataclasses.replace(_plan(), block_words=256, grid=1)
+    fn = lambda o, l, t: triton.dcp_a2a.dcp_a2a(o, l, t, plan, base2=False, return_lse=True, channel="c",
+                                                poison=False)
+    args = (jax.ShapeDtypeStruct((1, 16, 64), jnp.bfloat16), jax.ShapeDtypeStruct((1, 16), jnp.float32), row)
+    return lambda: jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  hidden = 2048 if name.endswith("a row") else 8192
+  plan = triton.rows_plan(_plan(cell_words=8192), 2, 2 * hidden, "bfloat16", 0)
+  fn = lambda x, r, w, t: triton.residual_rmsnorm.residual_rmsnorm(x, r, w, t, plan, eps=1e-6, channel="c",
+                                                                   poison=False)
+  args = ([jax.ShapeDtypeStruct((2, hidden), jnp.bfloat16)] * 2 + [jax.ShapeDtypeStruct((hidden,), jnp.bfloat16), row])
+  return lambda: jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("name", ["all_reduce float32", "all_reduce bfloat16", "all_reduce loopback", "dcp_a2a",
+                                  "fused, one program a row", "fused, a row over 4 programs"])
+def test_every_triton_kernel_compiles_for_an_h200(monkeypatch, tmp_path, name):
+  ((module, warps),) = _lowered(monkeypatch, _kernel(name))
+  path = tmp_path / "kernel.ttir"
+  path.write_text(module)
+  proc = subprocess.run([_triton_python(), "-c", _COMPILE, str(path), str(warps)], capture_output=True, text=True,
+                        timeout=600, cwd=tmp_path)
+  failed = [line for line in proc.stderr.splitlines() if "error" in line or "Pipeline failed" in line]
+  assert proc.returncode == 0 and "compiled" in proc.stdout, "\n".join(failed[-5:]) or proc.stderr[-3000:]
