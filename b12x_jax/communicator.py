@@ -365,10 +365,11 @@ class Communicator(CallPolicy):
   def check_errors(self) -> None:
     """Raises CollectiveTimeoutError if any wait of this process timed out,
     also one replayed from a CUDA graph (no handler ran to report it). First
-    waits for the executions this thread dispatched and for the host
-    backend's calls queued so far (each ends within its timeouts), so a
-    failure of one of them is reported, not missed: a call that raised may
-    have peers whose own timeout is still running."""
+    waits for the executions dispatched in this process whose results are
+    alive and for the host backend's calls queued so far (each ends within
+    its timeouts), so a failure of one of them is reported, not missed: a
+    call that raised may have peers whose own timeout is still running.
+    Host calls still running after the bound are reported as such."""
     settle()
     messages = _native.pending_errors()
     if messages:

@@ -430,15 +430,21 @@ NB_MODULE(_b12x, m) {
     // A call that raised may have a local peer whose own wait is still
     // running on the host progress thread: let the calls queued so far end
     // (each within its timeout), so that such a record is read, not missed.
-    double bound = 0;
-    for (const ChannelGroup* group : Registry::get().groups()) {
-      bound = std::max(bound, host_idle_bound_s(group->options()));
+    double bound = 1;
+    for (const auto& groups : {Registry::get().groups(), Registry::get().released_groups()}) {
+      for (const ChannelGroup* group : groups) bound = std::max(bound, host_idle_bound_s(group->options()));
     }
+    bool idle;
     {
       nb::gil_scoped_release unlocked;
-      wait_submitted_host_calls(bound);
+      idle = wait_submitted_host_calls(bound);
     }
     std::vector<std::string> out;
+    if (!idle) {
+      out.push_back("b12x_jax: host collectives queued before this check were still running after " +
+                    std::to_string(static_cast<int>(bound)) + " s without one finishing; their errors, if any, "
+                    "are not in this report");
+    }
     for (const ChannelGroup* group : Registry::get().groups()) {
       for (int r = 0; r < group->world(); ++r) {
         if (!group->is_local(r)) continue;  // another process reports its own ranks
@@ -456,5 +462,6 @@ NB_MODULE(_b12x, m) {
       }
     }
     return out;
-  }, "Messages of every recorded timeout, on any channel and rank of this process.");
+  }, "Messages of every recorded timeout, on any channel and rank of this process, once the host calls queued "
+     "before it ended (bounded).");
 }

@@ -13,6 +13,7 @@
 // poll_peer), and while a call waits the thread moves on to other ranks.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -66,9 +67,12 @@ bool wait_submitted_host_calls(double seconds);
 bool shutdown_host_progress(double seconds);
 
 // The bound host groups give wait_host_calls: a queued call ends within one
-// timeout of its start, which comes at the latest when the call before it
-// ended (a timeout poisons the channel and the rest fail at once), plus a
-// second of slack.
-inline double host_idle_bound_s(const ChannelOptions& options) { return 2 * options.timeout_s + 1; }
+// timeout of its start (a channel's first call within the setup timeout, if
+// longer: channel.h first_timeout_ns), which comes at the latest when the
+// call before it ended (a timeout poisons the channel and the rest fail at
+// once), plus a second of slack.
+inline double host_idle_bound_s(const ChannelOptions& options) {
+  return 2 * std::max(options.timeout_s, options.setup_timeout_s) + 1;
+}
 
 }  // namespace b12x
