@@ -14,16 +14,14 @@ proof.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import importlib.util
 import os
 import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import pytest
+from test_triton_kernels import triton_kernel_case
 
 _STAND_IN = "3.6."  # the pip triton that stands in for jaxlib 0.11's
 
@@ -83,42 +81,12 @@ def _lowered(monkeypatch, trace) -> list[tuple[str, int]]:
   return list(zip(modules, warps))
 
 
-def _kernel(name: str):
-  """A function that lowers the named kernel (the plans of tests/test_triton_kernels.py)."""
-  from test_triton_kernels import _plan
-
-  from b12x_jax import kernels as triton
-  row = jax.ShapeDtypeStruct((triton.ROW_WORDS,), jnp.int32)
-  if name.startswith("all_reduce"):
-    plan = dataclasses.replace(_plan(), block_words=512, grid=2)
-    if name.endswith("loopback"):
-      plan = dataclasses.replace(plan, world=1, loopback=True, block_words=1024, grid=1)
-    if name.endswith("8 ranks"):  # a block of 2048 words: 8 warps
-      plan = dataclasses.replace(plan, world=8, block_words=2048, grid=1)
-    dtype = "float32" if "float32" in name or name.endswith("loopback") else "bfloat16"
-    x = jax.ShapeDtypeStruct((plan.grid * plan.block_words * (1 if dtype == "float32" else 2),), dtype)
-    fn = functools.partial(triton.all_reduce.all_reduce, plan=plan, channel="c", poison=False)
-    return lambda: jax.jit(fn).trace(x, row).lower(lowering_platforms=("cuda",))
-  if name == "dcp_a2a":
-    plan = dataclasses.replace(_plan(), block_words=256, grid=1)
-    fn = lambda o, l, t: triton.dcp_a2a.dcp_a2a(o, l, t, plan, base2=False, return_lse=True, channel="c",
-                                                poison=False)
-    args = (jax.ShapeDtypeStruct((1, 16, 64), jnp.bfloat16), jax.ShapeDtypeStruct((1, 16), jnp.float32), row)
-    return lambda: jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-  hidden, split = (2048, 1) if name.endswith("a row") else (8192, 4)
-  plan = triton.rows_plan(_plan(cell_words=8192), 2, 2 * hidden, "bfloat16", 0)
-  assert plan.split == split, plan.split
-  fn = lambda x, r, w, t: triton.residual_rmsnorm.residual_rmsnorm(x, r, w, t, plan, eps=1e-6, channel="c",
-                                                                   poison=False)
-  args = ([jax.ShapeDtypeStruct((2, hidden), jnp.bfloat16)] * 2 + [jax.ShapeDtypeStruct((hidden,), jnp.bfloat16), row])
-  return lambda: jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-
-
 @pytest.mark.parametrize("name", ["all_reduce float32", "all_reduce bfloat16", "all_reduce loopback",
                                   "all_reduce bfloat16, 8 ranks", "dcp_a2a", "fused, one program a row",
                                   "fused, a row over 4 programs"])
 def test_every_triton_kernel_compiles_for_an_h200(monkeypatch, tmp_path, name):
-  ((module, warps),) = _lowered(monkeypatch, _kernel(name))
+  fn, args = triton_kernel_case(name)
+  ((module, warps),) = _lowered(monkeypatch, lambda: jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)))
   path = tmp_path / "kernel.ttir"
   path.write_text(module)
   proc = subprocess.run([_triton_python(), "-c", _COMPILE, str(path), str(warps), _STAND_IN], capture_output=True,

@@ -332,6 +332,37 @@ def test_every_read_of_memory_that_peers_write_gives_each_element_one_thread(cpu
     _assert_one_thread_per_polled_element(warps, asms)
 
 
+def triton_kernel_case(name: str):
+  """(fn, abstract args) of one Triton kernel at a test plan, by ``name``:
+  "all_reduce float32" / "all_reduce bfloat16" (2 ranks, 2 blocks of 512
+  words), "all_reduce loopback", "all_reduce bfloat16, 8 ranks" (a block of
+  2048 words: 8 warps), "dcp_a2a" ([1, 16, 64] over 2 ranks: one block of 8
+  rows of 32 words per destination), "fused, one program a row" and "fused,
+  a row over 4 programs". tests/test_triton_compile.py compiles them."""
+  from b12x_jax import kernels as triton
+  row = jax.ShapeDtypeStruct((triton.ROW_WORDS,), jnp.int32)
+  if name.startswith("all_reduce"):
+    plan = dataclasses.replace(_plan(), block_words=512, grid=2)
+    if name.endswith("loopback"):
+      plan = dataclasses.replace(plan, world=1, loopback=True, block_words=1024, grid=1)
+    if name.endswith("8 ranks"):
+      plan = dataclasses.replace(plan, world=8, block_words=2048, grid=1)
+    dtype = "float32" if "float32" in name or name.endswith("loopback") else "bfloat16"
+    x = jax.ShapeDtypeStruct((plan.grid * plan.block_words * (1 if dtype == "float32" else 2),), dtype)
+    return functools.partial(triton.all_reduce.all_reduce, plan=plan, channel="c", poison=False), (x, row)
+  if name == "dcp_a2a":
+    plan = dataclasses.replace(_plan(), block_words=256, grid=1)
+    args = (jax.ShapeDtypeStruct((1, 16, 64), jnp.bfloat16), jax.ShapeDtypeStruct((1, 16), jnp.float32), row)
+    return (lambda o, lse, t: triton.dcp_a2a.dcp_a2a(o, lse, t, plan, base2=False, return_lse=True, channel="c",
+                                                      poison=False)), args
+  hidden, split = (2048, 1) if name == "fused, one program a row" else (8192, 4)
+  plan = triton.rows_plan(_plan(cell_words=8192), 2, 2 * hidden, "bfloat16", 0)
+  assert plan.split == split, plan.split
+  args = (jax.ShapeDtypeStruct((2, hidden), jnp.bfloat16),) * 2 + (jax.ShapeDtypeStruct((hidden,), jnp.bfloat16), row)
+  return (lambda x, r, w, t: triton.residual_rmsnorm.residual_rmsnorm(x, r, w, t, plan, eps=1e-6, channel="c",
+                                                                       poison=False)), args
+
+
 def _record_inline_asm(monkeypatch) -> list[tuple[int, list]]:
   """(num_warps, [(inline asm, result shape)]) of each Pallas Triton kernel lowered from now on."""
   from jax.experimental.pallas import triton as plt
@@ -392,27 +423,9 @@ def test_every_inline_asm_the_exchange_emits_survives_in_the_kernel(monkeypatch,
   # error. Every asm traced must be in the kernel pallas_call keeps, as often as traced.
   from collections import Counter
 
-  from b12x_jax import kernels as triton
   kernels = _record_inline_asm(monkeypatch)
-  row = jax.ShapeDtypeStruct((triton.ROW_WORDS,), jnp.int32)
-  if kernel.startswith("all_reduce"):
-    plan = dataclasses.replace(_plan(), block_words=512, grid=2)
-    fn = functools.partial(triton.all_reduce.all_reduce, plan=plan, channel="c", poison=False)
-    args = [jax.ShapeDtypeStruct((1024,) if kernel.endswith("float32") else (2048,), kernel.split()[1]), row]
-    traced = jax.make_jaxpr(lambda x, r: fn(x, r))(*args)
-  elif kernel == "dcp_a2a":  # [1, 16, 64] over 2 ranks: one block of 8 rows of 32 words per destination
-    plan = dataclasses.replace(_plan(), block_words=256, grid=1)
-    args = [jax.ShapeDtypeStruct((1, 16, 64), jnp.bfloat16), jax.ShapeDtypeStruct((1, 16), jnp.float32), row]
-    traced = jax.make_jaxpr(lambda o, lse, t: triton.dcp_a2a.dcp_a2a(o, lse, t, plan, base2=False, return_lse=True,
-                                                                       channel="c", poison=False))(*args)
-  else:
-    rows, hidden = (2, 2048) if kernel.startswith("fused, one") else (2, 8192)
-    plan = triton.rows_plan(_plan(cell_words=8192), rows, 2 * hidden, "bfloat16", 0)
-    assert plan.split == (1 if kernel.startswith("fused, one") else 4), plan.split
-    args = [jax.ShapeDtypeStruct((rows, hidden), jnp.bfloat16)] * 2 + [jax.ShapeDtypeStruct((hidden,), jnp.bfloat16),
-                                                                      row]
-    traced = jax.make_jaxpr(lambda x, r, w, t: triton.residual_rmsnorm.residual_rmsnorm(
-        x, r, w, t, plan, eps=1e-6, channel="c", poison=False))(*args)
+  fn, args = triton_kernel_case(kernel)
+  traced = jax.make_jaxpr(fn)(*args)
   ((_, asms),) = kernels
   emitted = Counter(code for code, _ in asms)
   text = str(traced)

@@ -98,7 +98,9 @@ class ProgressEngine {
       return;
     }
     const auto key = std::make_pair(call->handle.group, call->handle.rank);
-    queues_[key].push_back(Pending{std::move(call), 0, false, {}, next_ticket_++});
+    Pending pending{std::move(call)};
+    pending.ticket = next_ticket_++;
+    queues_[key].push_back(std::move(pending));
     ++pending_;
     wake_.notify_one();
   }
