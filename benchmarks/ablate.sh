@@ -14,9 +14,9 @@
 # applies; the all_reduce kernels of each FFI build compile where nvcc is
 # here, each edited Python file compiles)
 # (ABLATE_ONLY: an extended regular expression; only the builds it matches.
-# ABLATE_KERNELS: a folder that holds another tree's b12x_jax/kernels, e.g.
-# `git archive main b12x_jax/kernels | tar -x -C DIR`: a build with them,
-# timed beside this tree's in the same run. ABLATE_TRITON_ARGS: what else
+# ABLATE_KERNELS: folders (separated by ":") that each hold another tree's
+# b12x_jax/kernels, e.g. `git archive main b12x_jax/kernels | tar -x -C DIR`:
+# a build with each, timed beside this tree's in the same run. ABLATE_TRITON_ARGS: what else
 # the Triton builds time, default "--skip-fused --skip-dcp" ("--skip-dcp"
 # for an edit of the fused op's kernel): "" times the fused op and dcp_a2a.)
 set -euo pipefail
@@ -48,9 +48,12 @@ VARIANTS=(
   "triton: the fused op with twice the warps at 8 rows or more|$R|s/warps = warps_for(W, wide_warps(W \* plan.world))/warps = warps_for(W, (2 if words.size \/\/ W >= 8 * split else 1) * wide_warps(W * plan.world))/"
 )
 if [ -n "${ABLATE_KERNELS:-}" ]; then
-  KERNELS=$(cd "$ABLATE_KERNELS" && pwd)/b12x_jax/kernels
-  [ -d "$KERNELS" ] || { echo "ABLATE_KERNELS: no b12x_jax/kernels in $ABLATE_KERNELS"; exit 1; }
-  VARIANTS+=("triton: the kernels of $ABLATE_KERNELS|b12x_jax/kernels|@$KERNELS")
+  IFS=: read -ra FOLDERS <<<"$ABLATE_KERNELS"
+  for folder in "${FOLDERS[@]}"; do
+    KERNELS=$(cd "$folder" && pwd)/b12x_jax/kernels
+    [ -d "$KERNELS" ] || { echo "ABLATE_KERNELS: no b12x_jax/kernels in $folder"; exit 1; }
+    VARIANTS+=("triton: the kernels of $folder|b12x_jax/kernels|@$KERNELS")
+  done
 fi
 # The tree's own build goes back however the loop ends (a scratch build is wrong by design).
 if [ "$CHECK" = 0 ]; then trap '$PY -m pip install -q --no-build-isolation --no-deps -e "$ROOT" >/dev/null 2>&1' EXIT; fi

@@ -57,22 +57,28 @@ def test_every_scratch_build_of_the_ablation_applies_to_this_tree_and_compiles(t
 
 
 def test_the_ablation_times_another_trees_kernels_only_where_they_differ(tmp_path):
-  """benchmarks/ablate.sh with ABLATE_KERNELS builds this tree with another
-  tree's b12x_jax/kernels (timed beside this tree's in one run); a folder
-  that holds this tree's own kernels would time them twice under two names."""
+  """benchmarks/ablate.sh with ABLATE_KERNELS builds this tree with each of
+  other trees' b12x_jax/kernels (timed beside this tree's in one run); a
+  folder that holds this tree's own kernels would time them twice under two
+  names."""
   script = os.path.join(ROOT, "benchmarks", "ablate.sh")
-  other = tmp_path / "other"
-  shutil.copytree(os.path.join(ROOT, "b12x_jax", "kernels"), other / "b12x_jax" / "kernels",
-                  ignore=shutil.ignore_patterns("__pycache__"))
+  others = [tmp_path / "one", tmp_path / "two"]
+  for other in others:
+    shutil.copytree(os.path.join(ROOT, "b12x_jax", "kernels"), other / "b12x_jax" / "kernels",
+                    ignore=shutil.ignore_patterns("__pycache__"))
   env = {**os.environ, "PYTHON": sys.executable, "ABLATE_DIR": str(tmp_path / "ablate"),
-         "ABLATE_KERNELS": str(other), "ABLATE_ONLY": "the kernels of"}
-  same = subprocess.run(["bash", script, "--check"], capture_output=True, text=True, timeout=120, env=env)
-  assert same.returncode != 0 and "the same b12x_jax/kernels" in same.stdout, same.stdout + same.stderr
-  with open(other / "b12x_jax" / "kernels" / "exchange.py", "a") as f:
+         "ABLATE_KERNELS": ":".join(map(str, others)), "ABLATE_ONLY": "the kernels of"}
+  with open(others[0] / "b12x_jax" / "kernels" / "exchange.py", "a") as f:
     f.write("\nCHECK_EVERY = 16\n")
+  same = subprocess.run(["bash", script, "--check"], capture_output=True, text=True, timeout=120, env=env)
+  assert same.returncode != 0 and f"the kernels of {others[1]}: the same b12x_jax/kernels" in same.stdout, \
+      same.stdout + same.stderr
+  with open(others[1] / "b12x_jax" / "kernels" / "exchange.py", "a") as f:
+    f.write("\nCHECK_EVERY = 4\n")
   proc = subprocess.run(["bash", script, "--check"], capture_output=True, text=True, timeout=120, env=env)
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-  assert re.findall(r"^== (.*): applies$", proc.stdout, flags=re.M) == [f"triton: the kernels of {other}"], proc.stdout
+  assert re.findall(r"^== (.*): applies$", proc.stdout, flags=re.M) == [f"triton: the kernels of {other}"
+                                                                       for other in others], proc.stdout
   with open(other / "b12x_jax" / "kernels" / "exchange.py", "a") as f:
     f.write("\nCHECK_EVERY =\n")
   broken = subprocess.run(["bash", script, "--check"], capture_output=True, text=True, timeout=120, env=env)
