@@ -79,7 +79,7 @@ def test_the_ablation_times_another_trees_kernels_only_where_they_differ(tmp_pat
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
   assert re.findall(r"^== (.*): applies$", proc.stdout, flags=re.M) == [f"triton: the kernels of {other}"
                                                                        for other in others], proc.stdout
-  with open(other / "b12x_jax" / "kernels" / "exchange.py", "a") as f:
+  with open(others[1] / "b12x_jax" / "kernels" / "exchange.py", "a") as f:
     f.write("\nCHECK_EVERY =\n")
   broken = subprocess.run(["bash", script, "--check"], capture_output=True, text=True, timeout=120, env=env)
   assert broken.returncode != 0 and "exchange.py does not compile" in broken.stdout, broken.stdout + broken.stderr
