@@ -44,7 +44,6 @@ VARIANTS=(
   "triton: no failure record (its branch gone)|$X|s/recorded = jax.lax.cond(record, record_failure, lambda: \\(.*\\))$/recorded = \\1/"
   "triton: the record without its branch (every step predicated on the call recording)|$X|s/recorded = jax.lax.cond(record, record_failure, lambda: .*)$/recorded = record_failure()/"
   "triton: no halt check (poison, generation)|$X|s/stale, go = halted == 2, halted == 0/stale, go = rank < 0, rank >= 0/"
-  "triton: the fused op with twice the warps|$R|s/warps = warps_for(W, wide_warps(W \* plan.world))/warps = warps_for(W, 2 * wide_warps(W * plan.world))/"
   "triton: the fused op with twice the warps at 8 rows or more|$R|s/warps = warps_for(W, wide_warps(W \* plan.world))/warps = warps_for(W, (2 if words.size \/\/ W >= 8 * split else 1) * wide_warps(W * plan.world))/"
 )
 if [ -n "${ABLATE_KERNELS:-}" ]; then
