@@ -150,7 +150,7 @@ static_assert(sizeof(Signal::counter) == kMaxBlocks * kMaxRanks * sizeof(uint32_
 // when the call was replayed from a CUDA graph and no handler ran.
 struct ErrorRecord {
   uint32_t state;   // 0: none, 1: being written, 2: complete
-  uint32_t kind;    // kFailureTimeout or kFailureMismatch
+  uint32_t kind;    // kFailureTimeout, kFailureMismatch or kFailureStale
   int32_t rank;     // the rank that waited
   int32_t peer;     // the rank that did not arrive, or arrived at another call
   uint32_t epoch;   // the counter value it waited for

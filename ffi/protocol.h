@@ -105,7 +105,9 @@ B12X_HD void record_failure(const ChannelView& v, uint32_t kind, int peer, uint3
 // read next to `poisoned`: a kernel replayed from a CUDA graph captured
 // before a release, without its handler. It then records a failure of kind
 // kFailureStale, once, naming both generations, poisons the channel and
-// must leave NaN before it touches the memory.
+// must leave NaN before it touches the memory (but for a Triton split row's
+// meeting words, which every program of the row adds to once, so that its
+// siblings fail with it: docs/DESIGN.md, "Triton kernels").
 template <class Mem>
 B12X_HD bool stale_generation(const ChannelView& v, uint32_t now) {
   if (now == v.generation) return false;

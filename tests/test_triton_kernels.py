@@ -205,16 +205,39 @@ _ERROR_WORDS = ("state", "kind", "rank", "peer", "epoch", "peer_gave_up", "first
                 "channel_generation")
 
 
-def _plan(max_blocks: int = 64, cell_words: int = 4096):
-  from b12x_jax import kernels as triton
-  view = {"world": 2, "loopback": False, "grid": 1, "per_block": 1, "cell_bytes": 4 * cell_words,
-          "cells_bytes": 0, "max_blocks": max_blocks, "tag": (1 | 1 << 16, 3, 1, 0), "algorithm": 3,
+def _view(max_blocks: int = 64, cell_words: int = 4096, cells_bytes: int = 0) -> dict:
+  return {"world": 2, "loopback": False, "grid": 1, "per_block": 1, "cell_bytes": 4 * cell_words,
+          "cells_bytes": cells_bytes, "max_blocks": max_blocks, "tag": (1 | 1 << 16, 3, 1, 0), "algorithm": 3,
           "packs": 1, "timeout_ns": 10**9, "first_timeout_ns": 10**9, "poison_grace_ns": 10**6,
           "signal_offsets": {name: 4096 * k for k, name in enumerate(_SIGNAL_WORDS)},
           "error_offsets": {name: 64 * k for k, name in enumerate(_ERROR_WORDS)}, "empty_word": 0xFFFFFFFF,
           "nan_word": 0x7FFF7FFF,
           "failure_timeout": 1, "failure_mismatch": 2, "failure_stale": 3, "error_complete": 1}
-  return triton.make_plan(view)
+
+
+def _plan(max_blocks: int = 64, cell_words: int = 4096):
+  from b12x_jax import kernels as triton
+  return triton.make_plan(_view(max_blocks, cell_words))
+
+
+# The kernel's offsets into a Lamport region are int32: a region of 2 GiB or more takes the FFI kernel
+# with the reason (one whose cells alone reach 2 GiB raised OverflowError while tracing), one below it
+# the Triton kernel.
+@pytest.mark.parametrize("op", ["all_reduce", "residual_rmsnorm", "dcp_a2a"])
+@pytest.mark.parametrize("cells_bytes", [2**31 - 3 * 2 * 64 * 16, 2**31])
+def test_a_lamport_region_beyond_32_bit_offsets_takes_the_ffi_kernel(op, cells_bytes):
+  from b12x_jax import kernels as triton
+  headers = 3 * 2 * 64 * 16
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+  avals = {"all_reduce": [f32(4)], "residual_rmsnorm": [f32(1, 4), f32(1, 4), f32(4)],
+           "dcp_a2a": [jax.ShapeDtypeStruct((1, 2, 8), jnp.bfloat16), f32(1, 2)]}[op]
+  params = {"eps": 1e-6, "base2": False, "return_lse": True}
+  beyond = triton.call_for(op, _view(cells_bytes=cells_bytes), avals, params, channel="c", site=0, poison=False)
+  why = f"Lamport region of {cells_bytes + headers} bytes is beyond the Triton kernel's 32-bit offsets"
+  assert isinstance(beyond, str) and why in beyond, beyond
+  within = triton.call_for(op, _view(cells_bytes=2**31 - headers - 16), avals, params, channel="c", site=0,
+                           poison=False)
+  assert isinstance(within, triton.Call), within
 
 
 # Programs per row: rows of >= 4096 words split, each part >= 1024 words, at most 4 per row, the
@@ -388,7 +411,7 @@ def _assert_one_thread_per_polled_element(warps: int, asms: list) -> None:
   shapes = {shape for code, shape in asms if code in polled}
   assert shapes and all(len(shape) == 1 and shape[0] >= 32 * warps for shape in shapes), (warps, shapes)
   assert {code for code, _ in asms} <= polled | {triton.exchange._LOAD_ARRIVED, triton.exchange._LOAD_OWN, triton.exchange._STORE} | {
-      code for code, _ in asms if "atom.global.cas" in code}
+      code for code, _ in asms if "global.cas" in code}
   # Only the block's own Signal words (no one else writes them while it runs), once each, may be one element.
   assert sum(code == triton.exchange._LOAD_OWN for code, _ in asms) == len(triton.exchange.OWN_WORDS), asms
 
@@ -429,12 +452,12 @@ def test_every_inline_asm_the_exchange_emits_survives_in_the_kernel(monkeypatch,
   ((_, asms),) = kernels
   emitted = Counter(code for code, _ in asms)
   text = str(traced)
-  assert any("atom.global.cas" in code for code in emitted), "the failure record was not traced"
+  assert any("sys.global.cas" in code for code in emitted), "the failure record was not traced"
   kept = {code: text.count(code) for code in emitted}
   assert kept == dict(emitted), [(n, kept[code], code[:80]) for code, n in emitted.items() if kept[code] != n]
   # The record's branch holds no reduction: inline asm is pure, so the compiler may hoist the
   # branch onto every call, and a reduction across warps is a barrier (docs/DESIGN.md, "Triton kernels").
-  (branch,) = [b for b in _cond_branches(traced.jaxpr) if "atom.global.cas" in str(b)]
+  (branch,) = [b for b in _cond_branches(traced.jaxpr) if "sys.global.cas" in str(b)]
   assert not [e.primitive.name for e in _equations(branch) if e.primitive.name.startswith("reduce_")], branch
 
 

@@ -16,7 +16,8 @@ import numpy as np
 
 from b12x_jax import _native
 from b12x_jax.kernels import all_reduce, dcp_a2a, residual_rmsnorm
-from b12x_jax.kernels.exchange import ROW_WORDS, backend_problem, make_plan, plan_problem, table_row, why_not
+from b12x_jax.kernels.exchange import (ROW_WORDS, backend_problem, make_plan, plan_problem, region_problem, table_row,
+                                       why_not)
 from b12x_jax.kernels.residual_rmsnorm import row_split, rows_plan, rows_problem
 from b12x_jax.kernels.dcp_a2a import dcp_problem
 
@@ -36,6 +37,8 @@ def call_for(op: str, view: dict, avals, params: dict, *, channel: str, site: in
   the primitive's ``params``) on the channel ``view`` describes, or why it
   cannot run the call."""
   plan = make_plan(view)
+  if (problem := region_problem(plan)) is not None:
+    return problem
   if op == "dcp_a2a":
     out, _ = avals
     batch, heads, dim = out.shape

@@ -104,8 +104,9 @@ class Plan:
 
 
 # The dtypes the kernel sums, and the NaN each leaves in a 32-bit word where
-# a call fails: float32's, and a pair of bfloat16's (CUDA's NaN of
-# __float2bfloat16_rn, so that failed outputs look alike on both kernels).
+# a call fails: float32's, and a pair of bfloat16's (the NaN _bfloat16_bits
+# rounds a NaN to, as __float2bfloat16_rn). The FFI kernels leave all ones:
+# other bits, NaN in every dtype as well.
 NAN_WORDS = {"float32": 0x7FC00000, "bfloat16": 0x7FFF7FFF}
 
 
@@ -153,6 +154,16 @@ def plan_problem(view: dict) -> str | None:
   if words > MAX_TILE_WORDS:
     return (f"its {view['grid']} blocks of {words} words exceed the Triton kernel's tiles of {MAX_TILE_WORDS} "
             "(raise max_blocks)")
+  return None
+
+
+def region_problem(plan: Plan) -> str | None:
+  """Why the Triton kernel cannot address the channel's Lamport region,
+  or None: its offsets into the region are int32 (the headers end it)."""
+  end = plan.cells_bytes + 3 * plan.world * plan.max_blocks * 16
+  if end >= 2**31:
+    return (f"the channel's Lamport region of {end} bytes is beyond the Triton kernel's 32-bit offsets "
+            "(2 GiB; lower lamport_bytes)")
   return None
 
 
@@ -205,7 +216,8 @@ def _record_asm(error_offsets: dict, poisoned_offset: int, complete: int) -> str
   error record, as protocol.h record_failure: $1,$2 own signal, $3,$4 error
   record, $5 the predicate, $6.. kind, rank, peer, epoch, peer_gave_up,
   first_call, expected[4], seen[4], channel_generation; $21 the dependency.
-  Returns 0."""
+  The claim is at system scope, as CudaMem::claim: peers on other GPUs read
+  the poison word. Returns 0."""
   e = error_offsets
   fields = [("kind", 6), ("rank", 7), ("peer", 8), ("epoch", 9), ("peer_gave_up", 10), ("first_call", 11)]
   stores = [f"@won st.volatile.global.u32 [e+{e[name]}], ${k};" for name, k in fields]
@@ -215,7 +227,7 @@ def _record_asm(error_offsets: dict, poisoned_offset: int, complete: int) -> str
   return ("{ .reg .b64 s; .reg .b64 e; .reg .pred p; .reg .pred won; .reg .u32 old; "
           "setp.ne.u32 p, $5, 0; mov.b64 s, {$1, $2}; mov.b64 e, {$3, $4}; mov.u32 old, 1; "
           "@p fence.acq_rel.sys; "
-          f"@p atom.global.cas.b32 old, [s+{poisoned_offset}], 0, 1; "
+          f"@p atom.relaxed.sys.global.cas.b32 old, [s+{poisoned_offset}], 0, 1; "
           "setp.eq.and.u32 won, old, 0, p; " + " ".join(stores) +
           f" @won fence.acq_rel.sys; @won st.release.sys.global.u32 [e+{e['state']}], {complete}; "
           "mov.u32 $0, 0; }")  # 0, as every store's result: it joins the advance's chain

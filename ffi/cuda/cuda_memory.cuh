@@ -28,8 +28,10 @@ struct CudaMem {
   // before its flag is all the protocol asks, and sc costs more.
   static __device__ __forceinline__ void fence() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
   // `p` is always in the rank's own device memory (never mapped host memory,
-  // where device atomics are not guaranteed).
-  static __device__ __forceinline__ bool claim(uint32_t* p) { return atomicCAS(p, 0u, 1u) == 0u; }
+  // where device atomics are not guaranteed). System scope: peers on other
+  // GPUs read the poison word, and the fence before a claim orders this
+  // thread's announcements before it only for a write of their scope.
+  static __device__ __forceinline__ bool claim(uint32_t* p) { return atomicCAS_system(p, 0u, 1u) == 0u; }
   static __device__ __forceinline__ uint64_t now_ns() {
     uint64_t t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -40,6 +40,10 @@ namespace b12x {
 template <int kThreads, class Load, class Push, class Own, class Reduce>
 __device__ __forceinline__ int lamport_exchange_with(const ChannelView& v, const CallTag& tag, size_t n, Load load,
                                                      Push push, Own own, Reduce reduce) {
+  // Thread 0's decision at the start, apart from `failed`: a wait may set
+  // that one before a slow warp has read the decision, and that warp would
+  // leave without its pushes.
+  __shared__ int halted;
   __shared__ volatile int failed;  // volatile: read while other threads write it
   __shared__ LamportStart start;
   const size_t first = threadIdx.x;
@@ -47,11 +51,12 @@ __device__ __forceinline__ int lamport_exchange_with(const ChannelView& v, const
   if (first < n) loaded = load(first);
   if (threadIdx.x == 0) {
     const LamportStart s = lamport_start<CudaMem>(v, blockIdx.x);
-    failed = lamport_halted<CudaMem>(v, s) ? 1 : 0;
+    halted = lamport_halted<CudaMem>(v, s) ? 1 : 0;
+    failed = 0;
     start = s;
   }
   __syncthreads();
-  if (failed) return -1;
+  if (halted) return -1;
   const LamportCall c = lamport_begin(blockIdx.x, tag, start);
   Deadline deadline = call_deadline(v, start.served == 0);  // served only by lamport_advance
 
