@@ -180,6 +180,7 @@ def register_ordered_effect(effect_type: type) -> None:
   from jax._src import effects
   effects.ordered_effects.add_type(effect_type)
   order_shard_maps(effect_type)
+  inline_jits_of_ordered_shard_maps(effect_type)
 
 
 def order_shard_maps(effect_type: type) -> None:
@@ -216,7 +217,61 @@ def order_shard_maps(effect_type: type) -> None:
     ctx.set_tokens_out(mlir.TokenSet(passed))
     return outs
 
-  mlir.register_lowering(shard_map.shard_map_p, rule, inline=entry.inline)
+  # Uncacheable: a cached lowering would run in a function of its own, not in
+  # the block of the shard_maps beside it, and once for equal shard_maps.
+  mlir.register_lowering(shard_map.shard_map_p, rule, inline=entry.inline, cacheable=False)
+
+
+def inline_jits_of_ordered_shard_maps(effect_type: type) -> None:
+  """Wraps jit's lowering so that a jitted function whose body holds a
+  shard_map with calls of an ``effect_type`` lowers into the block of its
+  caller instead of as a function of its own: there its shard_maps chain
+  with the caller's (``order_shard_maps``). As a function, every call of it
+  would start a chain of its own, so two calls of one jitted layer would
+  leave its collectives unordered, with equal tags (docs/DESIGN.md, "Call
+  order"). A jit with shardings, layouts or compiler options of its own
+  keeps JAX's lowering (it would lose them inlined). Checked on jax 0.11.2
+  and 0.12.0.1."""
+  from jax._src import pjit, shard_map, sharding_impls
+  from jax._src.interpreters import mlir
+  entry = mlir._lowerings[pjit.jit_p]
+  inner = entry.rule
+
+  def holds_chain(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+      if eqn.primitive is shard_map.shard_map_p and any(
+          isinstance(e, effect_type) for e in eqn.params["jaxpr"].effects):
+        return True
+      if any(holds_chain(sub) for sub in core_subjaxprs(eqn)):
+        return True
+    return False
+
+  def plain(shardings, layouts) -> bool:
+    return (all(isinstance(s, sharding_impls.UnspecifiedValue) for s in shardings)
+            and all(layout is None for layout in layouts))
+
+  def rule(ctx, *args, jaxpr, in_shardings, out_shardings, in_layouts, out_layouts, compiler_options_kvs,
+           **params):
+    if (compiler_options_kvs or not plain(in_shardings, in_layouts) or not plain(out_shardings, out_layouts)
+        or not holds_chain(jaxpr.jaxpr)):
+      return inner(ctx, *args, jaxpr=jaxpr, in_shardings=in_shardings, out_shardings=out_shardings,
+                   in_layouts=in_layouts, out_layouts=out_layouts, compiler_options_kvs=compiler_options_kvs,
+                   **params)
+    consts = mlir.ir_consts(jaxpr.consts, [v.aval for v in jaxpr.jaxpr.constvars])
+    outs, tokens = mlir.jaxpr_subcomp(ctx.module_context, jaxpr.jaxpr, ctx.name_stack.extend(params["name"]),
+                                      ctx.tokens_in, consts, *args, dim_var_values=ctx.dim_var_values,
+                                      const_lowering=ctx.const_lowering, outer_traceback=ctx.traceback)
+    ctx.set_tokens_out(tokens)
+    return outs
+
+  mlir.register_lowering(pjit.jit_p, rule, inline=entry.inline, cacheable=False)  # as JAX registers it
+
+
+def core_subjaxprs(eqn) -> list:
+  """The jaxprs (open) in the params of ``eqn``: bodies of control flow,
+  nested jits, shard_maps and custom derivatives."""
+  from jax.extend.core import jaxprs_in_params
+  return [getattr(j, "jaxpr", j) for j in jaxprs_in_params(eqn.params)]
 
 
 class _BlockChains:

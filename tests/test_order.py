@@ -81,3 +81,29 @@ def test_an_aot_compiled_executable_runs_its_calls_in_order_again_and_again(cpu_
     for _ in range(3):  # jax 0.11.2 dropped the order token from the second call on (channels.ChannelMemory)
       shards = random_shards(rng, 2, 256, np.float32)
       assert_sum_matches(np.asarray(compiled(put_sharded(mesh, shards))).reshape(2, -1) / 2, shards, "float32")
+
+
+def _shard_map_chain(text: str) -> list[tuple[str, list[str]]]:
+  """(result, operands) of every shard_map body in ``text`` (shardy's
+  sdy.manual_computation; its result #0 is the channel's token out)."""
+  found = re.findall(r"(%[\w]+)(?::\d+)? = sdy\.manual_computation\(([^)]*)\)", text)
+  return [(result, operands.split(", ")) for result, operands in found]
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["shard_maps", "a jitted layer"])
+def test_shard_maps_one_after_the_other_chain_their_calls_also_in_a_jitted_layer_called_twice(cpu_mesh, jitted):
+  # Equal calls (one site, shape and dtype: equal tags) whose inputs do not depend on each other: only the
+  # token orders them. JAX lowers an equation it can cache, and a jitted function, in a function of its
+  # own: there each shard_map started a chain of its own (docs/DESIGN.md, "Call order").
+  mesh = cpu_mesh(2)
+  layer = jax.shard_map(lambda v: b12x_jax.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+  layer = jax.jit(layer) if jitted else layer
+  step = jax.jit(lambda a, b, c: (layer(a), layer(b), layer(c)))
+  x = jax.ShapeDtypeStruct((2 * 64,), np.float32, sharding=jax.sharding.NamedSharding(mesh, P("x")))
+  with b12x_jax.channel("layers"):
+    text = step.lower(x, x, x).as_text()
+  assert text.count("stablehlo.create_token") == 1, text
+  chain = _shard_map_chain(text)
+  assert len(chain) == 3, text
+  for (previous, _), (_, operands) in zip(chain, chain[1:]):
+    assert f"{previous}#0" in operands, text  # each takes the token the one before gave out
