@@ -162,7 +162,7 @@ class Communicator(CallPolicy):
     # (platform, channel) -> prepared groups, each a tuple of device ordinals in rank order
     # (-1 for a rank of another process).
     self._groups: dict[tuple[str, str], list[tuple[str, tuple[int, ...]]]] = {}  # (partition, ordinals)
-    # device-ordinal groups whose peer access failed its probe -> why.
+    # (platform, device ids) of groups whose transport failed -> why.
     self._broken: dict[tuple[str, tuple[int, ...]], str] = {}
     # (platform, channel) -> the processes its groups shared with this one span.
     self._shared: dict[tuple[str, str], set[int]] = {}
@@ -254,7 +254,11 @@ class Communicator(CallPolicy):
       ordinals = _ordinals(group)
       if all(o < 0 for o in ordinals):
         continue  # other processes serve this group
-      broken = self._broken.get((platform, ordinals))
+      # By the group's devices, not this process's ordinals: another group (an
+      # axis across hosts) may have the same local ordinals, and every process
+      # of a group must reach one verdict.
+      devices = tuple(d.id for d in group)
+      broken = self._broken.get((platform, devices))
       if broken is None and not self._is_prepared(platform, channel, partition, ordinals):
         if is_strict():
           raise ChannelError(
@@ -264,7 +268,7 @@ class Communicator(CallPolicy):
         try:
           self._prepare_group(channel, partition, group)
         except TransportError as e:  # remembered: the group is not probed again
-          broken = self._broken[(platform, ordinals)] = str(e)
+          broken = self._broken[(platform, devices)] = str(e)
       if broken is not None:
         return self._ineligible(op, channel, broken, fallback)
     return None

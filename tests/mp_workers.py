@@ -897,6 +897,36 @@ def settings_mode(args) -> dict:
   return {"error": None, "path": decision.path, "reason": decision.reason, "mapped": _mapped_shm()}
 
 
+def two_hosts_mode(args) -> dict:
+  """4 processes of a device each, 0 and 1 on one host, 2 and 3 on
+  another (B12X_JAX_HOST_ID, set by the test); a mesh (dp across the hosts,
+  tp within each): an all_reduce over dp (its groups span hosts: psum),
+  then one over tp, checked against float64. Returns each call's path."""
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  devices = sorted(jax.devices(), key=lambda d: d.process_index)
+  mesh = Mesh(np.array(devices, dtype=object).reshape(2, 2), ("dp", "tp"))  # dp: (0, 2), (1, 3); tp: (0, 1), (2, 3)
+  b12x_jax.set_communicator(_communicator(args))
+  rng = np.random.default_rng(9)
+  full = rng.integers(-1000, 1000, size=(2, 2 * 256)).astype(np.float32)
+  x = jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("dp", "tp")), lambda index: full[index])
+  paths = {}
+  for axis, out_spec, want in (("dp", P(None, "tp"), full.sum(axis=0, keepdims=True)),
+                               ("tp", P("dp", None), full.reshape(2, 2, 256).sum(axis=1))):
+    fn = jax.jit(jax.shard_map(lambda v, a=axis: b12x_jax.all_reduce(v, a), mesh=mesh, in_specs=P("dp", "tp"),
+                               out_specs=out_spec))
+    with b12x_jax.channel("hosts"):
+      got = fn(x)
+    for shard in got.addressable_shards:
+      assert np.array_equal(np.asarray(shard.data), want[shard.index]), (axis, shard.index)
+    paths[axis] = b12x_jax.get_communicator().decisions[-1].path
+  return {"paths": paths}
+
+
 # The cases of drop_in mode and the path each must take.
 DROP_IN_PATHS = {"grad": "b12x", "jvp": "b12x", "vmap_all_reduce": "b12x", "vmap_dcp_a2a": "b12x",
                  "vmap_fused": "b12x", "packed_pytree": "b12x", "tuple_of_axes": "psum", "axis_index_groups": "psum"}
@@ -1210,7 +1240,7 @@ MODES = {"after_failure": after_failure_mode, "stale_replay": stale_replay_mode,
          "exit_pending": exit_pending_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,
          "residual_rmsnorm": residual_rmsnorm_mode, "never_calls": never_calls_mode, "mismatch": mismatch_mode, "reprepare": reprepare_mode,
          "independent": independent_mode, "dispatch_order": dispatch_order_mode, "late_start": late_start_mode,
-         "wrap": wrap_mode,
+         "wrap": wrap_mode, "two_hosts": two_hosts_mode,
          "triton": triton_mode}
 
 

@@ -236,6 +236,14 @@ def test_a_group_spanning_hosts_takes_the_psum_path_on_every_process_with_the_re
   assert [r["path"] for r in same_host] == ["b12x", "b12x"], same_host
 
 
+def test_a_group_across_hosts_that_fell_back_leaves_a_group_within_a_host_on_b12x_in_every_process(multiprocess):
+  # The fallback's verdict belongs to the group across hosts: in processes 0 and 3 the tp group has the
+  # same local ordinals as the dp group, and they took psum where processes 1 and 2 waited for them.
+  hosts = {p: {"B12X_JAX_HOST_ID": "node-a" if p < 2 else "node-b"} for p in range(4)}
+  for r in multiprocess("two_hosts", 4, env=hosts, hard_timeout=180):
+    assert r["paths"] == {"dp": "psum", "tp": "b12x"}, r
+
+
 def test_a_group_spanning_hosts_under_policy_strict_raises_on_every_process(multiprocess):
   hosts = {0: {"B12X_JAX_HOST_ID": "node-a"}, 1: {"B12X_JAX_HOST_ID": "node-b"}}
   for r in _settings(multiprocess, {"policy": "strict"}, {"policy": "strict"}, env=hosts):
