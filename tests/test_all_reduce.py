@@ -45,6 +45,26 @@ def test_all_reduce_matches_float64_reference(cpu_mesh, n, dtype_name, nbytes):
   assert decision.path == ("b12x" if nbytes <= CAPACITY else "psum"), decision
 
 
+@pytest.mark.parametrize("lamport_bytes", [1 << 20, 0], ids=["lamport", "barrier"])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_every_rank_holds_the_same_bits_where_an_input_holds_the_lamport_empty_word(cpu_mesh, lamport_bytes,
+                                                                                     dtype_name):
+  # All ones is a NaN in every dtype and the Lamport exchange's empty word: the wire carries another NaN
+  # (ffi/lamport.h), so the rank that sent it must sum that NaN too, or its bits differ from its peers' (C9).
+  dtype = DTYPES[dtype_name]
+  mesh, n = cpu_mesh(2), 2
+  shards = random_shards(np.random.default_rng(21), n, 1024, dtype)
+  bits = shards.view(np.uint32 if np.dtype(dtype).itemsize == 4 else np.uint16)
+  bits[0, :8] = np.iinfo(bits.dtype).max  # rank 0 alone
+  bits[:, 8:16] = np.iinfo(bits.dtype).max  # both ranks
+  with fresh_communicator(lamport_bytes=lamport_bytes), b12x_jax.channel("empty-word"):
+    out = _run(_per_rank(mesh), mesh, shards)
+    assert b12x_jax.get_communicator().decisions[-1].path == "b12x"
+  out_bits = out.view(bits.dtype)
+  assert np.array_equal(out_bits[0], out_bits[1]), (out_bits[:, :16], dtype_name)
+  assert np.isnan(out[:, :16].astype(np.float32)).all() and not np.isnan(out[:, 16:].astype(np.float32)).any()
+
+
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("algorithm", ["one_shot", "two_shot", "one_shot_pull"])
 def test_every_protocol_matches_float64_inside_and_outside_the_lamport_window(cpu_mesh, n, algorithm):

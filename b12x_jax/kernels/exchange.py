@@ -381,9 +381,6 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
   def arrived_not(words, tag):  # header words that arrived and are not `tag` (lamport_header_state)
     return jnp.logical_and(words != empty, words != tag)
 
-  def on_the_wire(words):
-    return jnp.where(words == empty, jnp.full(words.shape, plan.nan_word, U32), words)
-
   # 1. Push each peer's part, the pad words and the header into this rank's
   #    cell of the peer's buffer B(k). Each segment's stores form one chain
   #    (`sinks`: every store's result ORed, what keeps them, in order: the
@@ -394,7 +391,7 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
     peer = address(_PEER_LAMPORT + 2 * p)
     cell = cell_offset(buffer, rank)
     for k, segment in enumerate(parts[p]):
-      sinks[k] = sinks[k] | store(peer, cell + 4 * segment_words[k], on_the_wire(segment),
+      sinks[k] = sinks[k] | store(peer, cell + 4 * segment_words[k], on_the_wire(plan, segment),
                                   jnp.broadcast_to(enabled, segment.shape), sinks[k])
     if cell_words > words_total:
       sinks[-1] = sinks[-1] | store(peer, cell + 4 * lanes, zero,
@@ -677,9 +674,17 @@ def to_words(values: tuple[jax.Array, ...], dtype: str) -> jax.Array:
 
 def with_own(plan: Plan, rank: jax.Array, mine: list, cells: list) -> list:
   """Every source's words of a block: the cells, but this rank's own words
-  from ``mine`` (what it sent), except under loopback, where its own cell
-  holds them (channel.h from_own_input)."""
-  return [c if plan.loopback else jnp.where(rank == q, m, c) for q, (m, c) in enumerate(zip(mine, cells))]
+  from ``mine`` as the wire carries them (its peers sum those: the same bits
+  on every rank, C9), except under loopback, where its own cell holds them
+  (channel.h from_own_input)."""
+  return [c if plan.loopback else jnp.where(rank == q, on_the_wire(plan, m), c)
+          for q, (m, c) in enumerate(zip(mine, cells))]
+
+
+def on_the_wire(plan: Plan, words: jax.Array) -> jax.Array:
+  """``words`` as they go on the wire: the empty word (a NaN) rewritten
+  to another NaN (lamport.h lamport_encode)."""
+  return jnp.where(words == plan.empty_word, jnp.full(words.shape, plan.nan_word, U32), words)
 
 
 def failed_outputs(done: jax.Array, sink: jax.Array) -> jax.Array:

@@ -134,7 +134,7 @@ class LamportSumCall : public LamportHostCall {
       Pack staged[kMaxRanks];
       for (int q = 0; q < v.world; ++q) {
         if (from_own_input(v, q)) {
-          staged[q] = in_[i];
+          staged[q] = lamport_encode(in_[i]);  // as its peers sum it: the same bits everywhere (C9)
         } else {
           lamport_load<HostMem>(v, call(), q, i, staged[q]);  // arrived: poll saw every word
         }

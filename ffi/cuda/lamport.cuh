@@ -100,7 +100,7 @@ __device__ __forceinline__ int lamport_exchange_with(const ChannelView& v, const
       // memory (ptxas: 128-160 bytes of stack, spills for 16-bit dtypes).
       Pack x;
       if (from_own_input(v, q)) {
-        x = own(i);
+        x = lamport_encode(own(i));  // as its peers sum it: the same bits everywhere (C9)
       } else {
         ok = await(q, [&] { return lamport_load<CudaMem>(v, c, q, i, x) ? PeerState::kArrived : PeerState::kPending; });
       }
