@@ -75,12 +75,7 @@ def axis_device_groups(ctx, axis_name: str) -> list[tuple]:
   names = tuple(mesh.axis_names)
   if axis_name not in names:
     raise ValueError(f"axis {axis_name!r} is not one of the mesh axes {names}")
-  devices = getattr(mesh, "devices", None)
-  if devices is None:  # AbstractMesh: take the devices of the module.
-    assignment = ctx.module_context.device_assignment
-    devices = np.array(assignment, dtype=object).reshape(tuple(mesh.axis_sizes))
-  devices = np.asarray(devices, dtype=object)
-  along = np.moveaxis(devices, names.index(axis_name), -1)
+  along = np.moveaxis(_devices_of(ctx, mesh), names.index(axis_name), -1)
   return [tuple(row) for row in along.reshape(-1, along.shape[-1])]
 
 
@@ -93,10 +88,47 @@ def mesh_devices(ctx) -> tuple[tuple[str, ...], np.ndarray, frozenset]:
   axis_context = ctx.module_context.axis_context
   mesh = axis_context.mesh
   names = tuple(mesh.axis_names)
-  devices = getattr(mesh, "devices", None)
-  if devices is None:
-    devices = np.array(ctx.module_context.device_assignment, dtype=object).reshape(tuple(mesh.axis_sizes))
-  return names, np.asarray(devices, dtype=object), frozenset(getattr(axis_context, "manual_axes", names))
+  return names, _devices_of(ctx, mesh), frozenset(getattr(axis_context, "manual_axes", names))
+
+
+_MESH_DEVICES_KEY = ("b12x_jax", "devices of abstract meshes")
+
+
+def _devices_of(ctx, mesh) -> np.ndarray:
+  """The devices of a shard_map's ``mesh`` in mesh order: its own, or, for
+  an abstract mesh (``mesh=mesh.abstract_mesh``, a nested shard_map), those
+  ``order_shard_maps`` found around the shard_map."""
+  import jax
+  if isinstance(mesh, jax.sharding.Mesh):
+    return np.asarray(mesh.devices, dtype=object)
+  found = ctx.module_context.cached_primitive_lowerings.get(_MESH_DEVICES_KEY, {}).get(mesh)
+  if found is None:
+    raise ValueError(f"the devices of the shard_map's abstract mesh {mesh} are unknown here: pass "
+                     "jax.shard_map a concrete mesh (mesh=jax.make_mesh(...)), or leave mesh= out inside "
+                     "`with jax.set_mesh(mesh):`")
+  return found
+
+
+def _note_abstract_mesh_devices(ctx, mesh) -> None:
+  """For a shard_map over an abstract mesh with b12x calls: its devices,
+  from the context it is lowered in (an enclosing shard_map's mesh of the
+  same shape, or the jitted function's device assignment), for
+  ``_devices_of``. Checked on jax 0.11.2 and 0.12.0.1."""
+  import jax
+  if isinstance(mesh, jax.sharding.Mesh):
+    return
+  sizes = tuple(mesh.axis_sizes)
+  outer = ctx.module_context.axis_context
+  known = ctx.module_context.cached_primitive_lowerings.setdefault(_MESH_DEVICES_KEY, {})
+  outer_mesh = getattr(outer, "mesh", None)
+  devices = None
+  if outer_mesh is not None and tuple(outer_mesh.axis_names) == tuple(mesh.axis_names) and \
+      tuple(outer_mesh.axis_sizes) == sizes:
+    devices = _devices_of(ctx, outer_mesh) if isinstance(outer_mesh, jax.sharding.Mesh) else known.get(outer_mesh)
+  elif getattr(outer, "device_assignment", None) is not None and len(outer.device_assignment) == mesh.size:
+    devices = np.array(outer.device_assignment, dtype=object).reshape(sizes)
+  if devices is not None:
+    known[mesh] = devices
 
 
 def lowering_for_export(ctx) -> bool:
@@ -204,6 +236,7 @@ def order_shard_maps(effect_type: type) -> None:
     own = [e for e in jaxpr.effects if isinstance(e, effect_type) and e.name in axes]
     if not own:
       return inner(ctx, *in_nodes, jaxpr=jaxpr, mesh=mesh, **params)
+    _note_abstract_mesh_devices(ctx, mesh)
     chains = _block_chains(ctx)
     tokens = {e: chains.take(e) for e in own}
     sub = ctx.replace(tokens_in=mlir.TokenSet({**dict(ctx.tokens_in.items()), **tokens}))

@@ -266,6 +266,32 @@ def test_one_channel_serves_any_device_group_in_one_process(cpu_mesh):
     assert len(b12x_jax.get_communicator().prepared_channels()["default"]) == 1 + 1 + 1 + 2 + 2
 
 
+@pytest.mark.parametrize("order", [[0, 1, 2, 3], [3, 1, 2, 0]], ids=["in order", "permuted"])
+def test_a_nested_shard_map_over_the_abstract_mesh_reduces_like_psum(order):
+  # A nested shard_map takes the context's abstract mesh, which has no devices: b12x finds them in the
+  # enclosing shard_map's mesh (it failed with "AbstractMesh does not implement devices").
+  mesh = jax.make_mesh((2, 2), ("x", "y"), devices=[jax.devices("cpu")[k] for k in order])
+  x = _sharded(mesh, np.random.default_rng(17).standard_normal(4 * 64).astype(np.float32), P(("x", "y")))
+  outs = []
+  for reduce in (b12x_jax.all_reduce, jax.lax.psum):
+    inner = jax.shard_map(lambda v, r=reduce: r(r(v, "x") * 2, "y"), in_specs=P("y"), out_specs=P("y"),
+                          axis_names={"y"})
+    outs.append(np.asarray(jax.jit(jax.shard_map(inner, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                                                 axis_names={"x"}))(x)))
+    if reduce is b12x_jax.all_reduce:
+      assert [d.path for d in b12x_jax.get_communicator().decisions[-2:]] == ["b12x", "b12x"]
+  np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_shard_map_given_an_abstract_mesh_alone_says_what_to_pass(cpu_mesh):
+  mesh = cpu_mesh(2)
+  fn = jax.jit(jax.shard_map(lambda v: b12x_jax.all_reduce(v, "x"), mesh=mesh.abstract_mesh, in_specs=P("x"),
+                             out_specs=P("x")))
+  with pytest.raises(ValueError, match=r"b12x_jax\.all_reduce: the devices of the shard_map's abstract mesh .* "
+                                       r"pass jax\.shard_map a concrete mesh \(mesh=jax\.make_mesh"):
+    fn(_sharded(mesh, np.ones(8, np.float32)))
+
+
 def test_the_fused_op_and_dcp_a2a_differentiate_like_their_fallback_formulas(cpu_mesh):
   mesh = cpu_mesh(2)
   rng = np.random.default_rng(6)

@@ -135,7 +135,10 @@ def _lowering(op: str, target: str, fallback: Callable, fallback_path: str) -> C
   token = _compat.abstract_token()
 
   def rule(ctx, *args, axis_name: str, channel: str, platform: str, site: int, kernel: str = "ffi", **params):
-    groups = _compat.axis_device_groups(ctx, axis_name)
+    try:
+      groups = _compat.axis_device_groups(ctx, axis_name)
+    except ValueError as e:
+      raise ValueError(f"b12x_jax.{op}: {e}") from None
     _native.ensure_registered()
     comm = get_communicator()
     if comm.ensure_prepared(op, channel, groups, fallback_path) is not None:
