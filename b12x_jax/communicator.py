@@ -381,7 +381,7 @@ class Communicator(CallPolicy):
 
   # -- teardown (DESIGN C11) ---------------------------------------------------
 
-  def release(self, channel: str) -> None:
+  def release(self, channel: str) -> bool:
     """Takes ``channel`` out of use on every platform once the work queued on
     it is done; it can be prepared again later under the same name. First
     waits for the executions this thread dispatched on it; then CUDA groups
@@ -398,9 +398,16 @@ class Communicator(CallPolicy):
     part of jit's cache key), and that prepares the channel by itself.
 
     Where the channel is shared between processes this is collective
-    (rendezvous.release_shared): call it on every process."""
+    (rendezvous.release_shared): call it on every process.
+
+    Returns whether ``channel`` was prepared here: a name this Communicator
+    holds no group of (a typo, a channel never called) releases nothing and
+    makes nothing trace again."""
+    validate_channel_name(channel, "Communicator.release")
     settle()
     with self._lock:
+      if not any(name == channel for _, name in self._groups):
+        return False
       self._releases += 1
       if self is _active:  # what was traced on the channel is traced again, and prepares it again
         _communicator_key.set_global(self.cache_key())
@@ -416,6 +423,7 @@ class Communicator(CallPolicy):
           _native.release(platform, channel)
         else:
           rendezvous.release_shared(platform, channel, processes, self.setup_timeout_s)
+    return True
 
   def close(self) -> None:
     """Releases every channel, in sorted name order (collective where shared

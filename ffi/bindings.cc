@@ -203,7 +203,12 @@ NB_MODULE(_b12x, m) {
       .def_rw("poison_outputs", &ChannelOptions::poison_outputs)
       .def_rw("loopback", &ChannelOptions::loopback);
 
+  // Both wait for host calls to complete without the GIL: a completion runs
+  // XLA's continuation, which may call into Python (a copy to the host); held,
+  // the wait ran out its bound and the continuation ran while Python finalized
+  // (std::terminate at exit).
   m.def("shutdown_host_progress", &shutdown_host_progress, nb::arg("seconds"),
+        nb::call_guard<nb::gil_scoped_release>(),
         "At exit: waits (bounded) for the host backend's queued calls, then joins its progress thread.");
 
   m.def("payload_limits", [](const ChannelOptions& options) {
@@ -326,7 +331,9 @@ NB_MODULE(_b12x, m) {
      "Unlinks the name in a peer's export where it has one (shared memory): a failed preparation leaves none.");
 
   m.def("release", [](const std::string& platform, const std::string& channel) {
-    return Registry::get().release(parse_platform(platform), channel);
+    const Platform parsed = parse_platform(platform);
+    nb::gil_scoped_release unlocked;  // as shutdown_host_progress
+    return Registry::get().release(parsed, channel);
   }, nb::arg("platform"), nb::arg("channel"),
      "Takes every group of the channel on the platform out of use once its queued work is done; its memory "
      "stays for the life of the process (executables may point at it) and is reused by the next preparation "
@@ -456,9 +463,9 @@ NB_MODULE(_b12x, m) {
     // before the release ran on it (its earlier failures were released).
     for (const ChannelGroup* group : Registry::get().released_groups()) {
       for (int r = 0; r < group->world(); ++r) {
-        if (!group->is_local(r) || group->error_record(r).kind != kFailureStale) continue;
-        std::string message = pending_error(*group, r);
-        if (!message.empty()) out.push_back(std::move(message));
+        if (!group->is_local(r)) continue;
+        std::string message = pending_error(*group, r);  // its kind is read after the state's acquire
+        if (!message.empty() && group->error_record(r).kind == kFailureStale) out.push_back(std::move(message));
       }
     }
     return out;

@@ -16,6 +16,19 @@ Registry& Registry::get() {
   return *registry;
 }
 
+namespace {
+
+// This process's devices of `group`, as "[0, 1]".
+std::string ordinal_list(const ChannelGroup& group) {
+  std::string out = "[";
+  for (int ordinal : group.ordinals()) {
+    if (ordinal != kRemoteRank) out += (out.size() > 1 ? ", " : "") + std::to_string(ordinal);
+  }
+  return out + "]";
+}
+
+}  // namespace
+
 std::string Registry::add(std::unique_ptr<ChannelGroup> group) {
   std::unique_lock lock(mutex_);
   for (const auto& existing : groups_) {
@@ -26,6 +39,11 @@ std::string Registry::add(std::unique_ptr<ChannelGroup> group) {
     for (int ordinal : group->ordinals()) {
       for (int other : existing->ordinals()) {
         if (ordinal == other && ordinal != kRemoteRank) {
+          if (existing->ordinals() == group->ordinals()) {  // the same group, held by another Communicator
+            return "channel '" + group->channel() + "' is already prepared for devices " + ordinal_list(*group) +
+                   " by another Communicator of this process: use b12x_jax.get_communicator(), or close() "
+                   "the other one first";
+          }
           return "channel '" + group->channel() + "' is already prepared on device " + std::to_string(ordinal) +
                  " in another group of partition " + group->partition() + " (a device is in one group of a "
                  "partition)";
@@ -281,6 +299,10 @@ std::string timeout_message(const ChannelGroup& group, int rank) {
                   "release it (Communicator.release) and prepare it again.",
                   group.channel().c_str(), record.rank, record.epoch, record.peer);
   } else {
+    // The first call's bound is setup_timeout_s only where the group spans
+    // processes (start-up skew); within one process it is timeout_s.
+    bool one_process = true;
+    for (int r = 0; r < group.world(); ++r) one_process = one_process && group.is_local(r);
     std::snprintf(text, sizeof(text),
                   "b12x_jax: channel '%s' rank %d timed out after %.3g s at epoch %u waiting for "
                   "rank %d, which did not arrive%s. The channel is poisoned: release it "
@@ -288,7 +310,7 @@ std::string timeout_message(const ChannelGroup& group, int rank) {
                   group.channel().c_str(), record.rank,
                   record.first_call ? group.options().setup_timeout_s : group.options().timeout_s, record.epoch,
                   record.peer, record.first_call ? " at the channel's first call" : "",
-                  record.first_call ? "setup_timeout_s" : "timeout_s");
+                  record.first_call && !one_process ? "setup_timeout_s" : "timeout_s");
   }
   return text;
 }

@@ -35,8 +35,9 @@ inline std::string rows_call_shape(const xla::ffi::AnyBuffer& x, const xla::ffi:
   }
   const size_t hidden = weight.element_count();
   const size_t row_bytes = hidden * xla::ffi::ByteWidth(x.element_type());
-  if (hidden == 0 || x.element_count() % hidden != 0 || residual.element_count() != x.element_count()) {
-    return op + "x and residual must be [..., hidden] with weight [hidden]";
+  if (hidden == 0 || x.element_count() == 0 || x.element_count() % hidden != 0 ||
+      residual.element_count() != x.element_count()) {
+    return op + "x and residual must be [..., hidden] with weight [hidden], at least one row";
   }
   if (row_bytes % kPackBytes != 0) return op + "a row of x is not a multiple of 16 bytes";
   shape = RowsShape{static_cast<int>(x.element_count() / hidden), static_cast<int>(row_bytes / kPackBytes),

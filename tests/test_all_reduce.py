@@ -4,10 +4,12 @@ float64 reference, channel isolation, the psum fallback, errors."""
 from __future__ import annotations
 
 import re
+import time
 
 import jax
 import numpy as np
 import pytest
+from jax.experimental import io_callback
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -78,6 +80,24 @@ def test_every_protocol_matches_float64_on_eight_ranks():
   assert result["checked"] == 3 * len(ALGORITHM_SIZES) * len(DTYPES) * 2, result
 
 
+def test_a_call_that_waits_seconds_for_a_late_rank_does_not_hold_a_core(cpu_mesh):
+  # Rank 1 reaches the call 2 s after rank 0 (a host callback sleeps first): the progress thread spins a
+  # millisecond, then naps (it yielded the whole wait: 1.8 s of CPU in 2 s).
+  mesh = cpu_mesh(2)
+  late = lambda v: io_callback(lambda a: (time.sleep(2.0), a)[1], jax.ShapeDtypeStruct(v.shape, v.dtype), v)  # noqa: E731
+  body = lambda v: b12x_jax.all_reduce(jax.lax.cond(jax.lax.axis_index("x") == 1, late, lambda u: u + 0, v), "x")  # noqa: E731
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+  shards = random_shards(np.random.default_rng(4), 2, 256, np.float32)
+  with fresh_communicator(timeout_s=30.0), b12x_jax.channel("late-rank"):
+    assert_sum_matches(_run(fn, mesh, shards), shards, "float32")  # compiled and prepared
+    shards = random_shards(np.random.default_rng(5), 2, 256, np.float32)
+    wall, cpu = time.monotonic(), time.process_time()
+    out = _run(fn, mesh, shards)
+    wall, cpu = time.monotonic() - wall, time.process_time() - cpu
+  assert_sum_matches(out, shards, "float32")
+  assert wall > 1.9 and cpu < 0.5 * wall, (wall, cpu)
+
+
 def test_two_shot_meets_twice_per_call(cpu_mesh):
   mesh = cpu_mesh(2)
   with fresh_communicator(algorithm="two_shot", lamport_bytes=0) as comm, b12x_jax.channel("two-shot"):
@@ -107,6 +127,7 @@ def test_a_peer_that_never_joins_times_out_with_names_on_either_protocol(lamport
   assert len(result["messages"]) == 2 and result["nan_outputs"] == [], result  # on CPU the call itself raises
   for message in result["messages"]:
     assert re.search(r"channel 'lonely' rank 0 timed out after 1 s at epoch 1 waiting for rank 1", message), message
+    assert "raise timeout_s if the peer is only slow" in message, message  # one process: its first call's bound too
   assert result["seconds"] < 30
 
 
@@ -190,7 +211,12 @@ def test_released_channel_can_be_prepared_again(cpu_mesh):
   shards = random_shards(np.random.default_rng(5), 2, 64, np.float32)
   with b12x_jax.channel("throwaway"):
     _run(fn, mesh, shards)
-    comm.release("throwaway")
+    key = comm.cache_key()
+    assert comm.release("throwawy") is False and comm.cache_key() == key  # a typo releases nothing, retraces nothing
+    with pytest.raises(b12x_jax.ChannelError, match=r"Communicator.release: channel name must be"):
+      comm.release("not a name!")
+    assert "throwaway" in comm.prepared_channels()
+    assert comm.release("throwaway") is True
     assert "throwaway" not in comm.prepared_channels()
     comm.prepare(mesh, "x", channels=["throwaway"])
     assert_sum_matches(_run(fn, mesh, shards), shards, "float32")

@@ -114,3 +114,16 @@ def test_the_first_function_of_a_process_is_traced_once():
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                         env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
   assert "TRACES 1 1" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+def test_a_second_communicator_preparing_a_channel_the_first_holds_names_the_cause(cpu_mesh):
+  # It said the device was "in another group of partition ...": the same group, held by another Communicator.
+  mesh = cpu_mesh(2)
+  with fresh_communicator() as comm:
+    comm.prepare(mesh, "x", channels=["held"])
+    other = b12x_jax.Communicator()
+    with pytest.raises(b12x_jax.ChannelError, match=r"channel 'held' is already prepared for devices \[0, 1\] by "
+                                                    r"another Communicator of this process: use "
+                                                    r"b12x_jax\.get_communicator\(\), or close\(\) the other one"):
+      other.prepare(mesh, "x", channels=["held"])
+    other.close()

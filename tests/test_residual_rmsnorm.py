@@ -125,6 +125,12 @@ def test_weight_of_another_dtype_and_bad_eps_are_clear_errors(cpu_mesh):
     call(jnp.bfloat16, 1e-6)
   with pytest.raises(ValueError, match=r"all_reduce_residual_rmsnorm: eps must be > 0"):
     call(jnp.float32, 0.0)
+  traced = jax.jit(jax.shard_map(  # eps is an attribute of the call: it was an anonymous TracerBoolConversionError
+      lambda x, eps: b12x_jax.all_reduce_residual_rmsnorm(x, x, jnp.ones(x.shape[-1:]), "x", eps=eps)[0],
+      mesh=mesh, in_specs=(P(), P()), out_specs=P()))
+  with pytest.raises(TypeError, match=r"all_reduce_residual_rmsnorm: eps must be a constant .* got a traced "
+                                      r"value .* pass a Python float"):
+    traced(jnp.ones((2, 16)), jnp.float32(1e-6))
 
 
 def test_a_peer_that_never_joins_a_fused_call_times_out_with_names():

@@ -70,7 +70,7 @@ def all_reduce(x, axis_name, *, axis_index_groups=None, channel: str | None = No
   """
   leaves, tree = jax.tree.flatten(x)
   if not leaves:
-    raise TypeError(f"b12x_jax.{_OP}: x must be an array or a pytree of arrays, got {x!r}")
+    return x  # an empty pytree, as psum returns it
   leaves = [_check_operand(leaf) for leaf in leaves]
   results: list = [None] * len(leaves)
   for pack in _packs(leaves, axis_name, axis_index_groups):

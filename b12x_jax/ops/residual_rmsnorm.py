@@ -94,6 +94,9 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
   IneligibleError (policy "strict").
   """
   x, residual, weight = _check_operands(x, residual, weight)
+  if isinstance(eps, jax.core.Tracer):
+    raise TypeError(f"b12x_jax.{_OP}: eps must be a constant (a static attribute of the call), got a traced "
+                    f"value {eps!r}; pass a Python float")
   if not eps > 0:
     raise ValueError(f"b12x_jax.{_OP}: eps must be > 0, got {eps!r}")
   size = axis_size(axis_name, _OP)

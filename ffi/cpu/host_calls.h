@@ -107,9 +107,14 @@ class LamportHostCall : public HostCall {
   virtual void push(const ChannelView& v) = 0;
   // Refills the previous buffer and advances; the cells of this call's
   // buffer stay as they are until the next call of the channel.
+  // The fence makes the refill visible before this rank's next pushes (and
+  // this call's polls before its next pushes, the peer's side of the same
+  // fence pairing): the reuse argument of lamport.h asks "written after" of
+  // stores, which relaxed atomics on a weakly ordered host do not keep.
   void complete(const ChannelView& v) {
     for (size_t i = 0; i < lamport_refill_packs(call_); ++i) lamport_refill<HostMem>(v, call_, i);
     lamport_advance<HostMem>(v, call_, static_cast<uint32_t>(n_));
+    HostMem::fence();
   }
   // This call's buffers and counts (lamport.h), from start on.
   const LamportCall& call() const { return call_; }

@@ -1,5 +1,6 @@
 #include "progress.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <atomic>
@@ -110,6 +111,8 @@ class ProgressEngine {
 
   void run() {
     std::unique_lock lock(mutex_);
+    int idle_rounds = 0;  // rounds in a row in which no call moved and none came
+    auto seen_ticket = next_ticket_;
     for (;;) {
       wake_.wait(lock, [this] { return pending_ > 0 || stopping_; });
       if (stopping_) return;
@@ -121,14 +124,28 @@ class ProgressEngine {
           progressed = true;
         }
       }
-      if (!progressed) {
+      if (progressed || next_ticket_ != seen_ticket) {
+        idle_rounds = 0;
+        seen_ticket = next_ticket_;
+      } else if (++idle_rounds < kSpinRounds) {
         // Peers are other ranks' submissions: let XLA's threads make them.
         lock.unlock();
         std::this_thread::yield();
         lock.lock();
+      } else {
+        // A peer that is far behind (another process compiling, a late
+        // rank): naps of growing length, so a wait of seconds does not
+        // hold a core; a submission wakes it at once.
+        const int doublings = std::min(idle_rounds - kSpinRounds, 5);
+        wake_.wait_for(lock, std::chrono::microseconds(32 << doublings));
       }
     }
   }
+
+  // Fruitless rounds spent yielding before the progress thread naps: about
+  // a millisecond of spinning, which a call whose peers are near never
+  // leaves.
+  static constexpr int kSpinRounds = 4096;
 
   // Moves the head call of one rank forward; true when it completed.
   static bool advance(Pending& p) {
