@@ -897,6 +897,35 @@ def settings_mode(args) -> dict:
   return {"error": None, "path": decision.path, "reason": decision.reason, "mapped": _mapped_shm()}
 
 
+def stale_shm_mode(args) -> dict:
+  """Before its first preparation each process leaves shared-memory names
+  of its own pid behind, as a process that died with them would have (a pid
+  is reused, e.g. in a restarted container sharing /dev/shm), then runs
+  all_reduce on fresh shards. Returns the path it took and whether the
+  stale names are still there (it must neither fail on them nor remove
+  them)."""
+  import jax
+  import numpy as np
+
+  import b12x_jax
+  stale = [f"/dev/shm/b12x.{os.getpid()}.{n}.r{jax.process_index()}" for n in range(3)]
+  for path in stale:
+    with open(path, "wb"):
+      pass
+  try:
+    mesh = _mesh()
+    b12x_jax.set_communicator(_communicator(args))
+    with b12x_jax.channel("stale-names"):
+      _check(_reducer(mesh, b12x_jax.all_reduce), mesh, np.random.default_rng(6), 1024, "float32")
+    path = b12x_jax.get_communicator().decisions[-1].path
+    kept = all(os.path.exists(p) for p in stale)
+  finally:
+    for p in stale:
+      if os.path.exists(p):
+        os.unlink(p)
+  return {"path": path, "kept": kept}
+
+
 def two_hosts_mode(args) -> dict:
   """4 processes of a device each, 0 and 1 on one host, 2 and 3 on
   another (B12X_JAX_HOST_ID, set by the test); a mesh (dp across the hosts,
@@ -1240,7 +1269,7 @@ MODES = {"after_failure": after_failure_mode, "stale_replay": stale_replay_mode,
          "exit_pending": exit_pending_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,
          "residual_rmsnorm": residual_rmsnorm_mode, "never_calls": never_calls_mode, "mismatch": mismatch_mode, "reprepare": reprepare_mode,
          "independent": independent_mode, "dispatch_order": dispatch_order_mode, "late_start": late_start_mode,
-         "wrap": wrap_mode, "two_hosts": two_hosts_mode,
+         "wrap": wrap_mode, "two_hosts": two_hosts_mode, "stale_shm": stale_shm_mode,
          "triton": triton_mode}
 
 

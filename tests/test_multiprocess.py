@@ -244,6 +244,13 @@ def test_a_group_across_hosts_that_fell_back_leaves_a_group_within_a_host_on_b12
     assert r["paths"] == {"dp": "psum", "tp": "b12x"}, r
 
 
+def test_shared_memory_names_a_dead_process_of_the_same_pid_left_are_passed_over_and_kept(multiprocess):
+  # They made the preparation fail (the channel took psum for the life of the process), and its cleanup then
+  # unlinked a name it had not created.
+  for r in multiprocess("stale_shm", 2):
+    assert r == {"path": "b12x", "kept": True}, r
+
+
 def test_a_group_spanning_hosts_under_policy_strict_raises_on_every_process(multiprocess):
   hosts = {0: {"B12X_JAX_HOST_ID": "node-a"}, 1: {"B12X_JAX_HOST_ID": "node-b"}}
   for r in _settings(multiprocess, {"policy": "strict"}, {"policy": "strict"}, env=hosts):

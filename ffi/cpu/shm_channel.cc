@@ -43,10 +43,18 @@ class ShmGroup final : public SharedGroup {
     try {
       for (int r = 0; r < world; ++r) {
         if (!is_local(r)) continue;
-        names_[r] = unique_name(r);
-        // O_EXCL: never attach to a stale segment; ftruncate zero-fills it.
-        const int fd = shm_open(names_[r].c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-        if (fd < 0) throw posix_error("shm_open", names_[r]);
+        // O_EXCL: never attach to a stale segment (a name left by a process
+        // that died, whose pid this one has: the next name); ftruncate
+        // zero-fills it. The name is ours, to unlink, only once created.
+        std::string name;
+        int fd = -1;
+        for (int attempt = 0; fd < 0 && attempt < kNameAttempts; ++attempt) {
+          name = unique_name(r);
+          fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+          if (fd < 0 && errno != EEXIST) break;
+        }
+        if (fd < 0) throw posix_error("shm_open", name);
+        names_[r] = name;
         const bool sized = ftruncate(fd, static_cast<off_t>(bytes_)) == 0;
         void* base = sized ? map(fd) : MAP_FAILED;
         close(fd);
@@ -116,6 +124,9 @@ class ShmGroup final : public SharedGroup {
   void start_counters(uint32_t calls) const override { start_host_counters(*this, calls); }
 
  private:
+  // Names tried before a preparation gives up on stale ones.
+  static constexpr int kNameAttempts = 64;
+
   // "/b12x.<pid>.<n>.r<rank>": unique on the host while this process lives.
   static std::string unique_name(int rank) {
     static std::atomic<unsigned> next{0};
