@@ -270,14 +270,13 @@ def inline_jits_of_ordered_shard_maps(effect_type: type) -> None:
   entry = mlir._lowerings[pjit.jit_p]
   inner = entry.rule
 
-  def holds_chain(jaxpr) -> bool:
-    for eqn in jaxpr.eqns:
-      if eqn.primitive is shard_map.shard_map_p and any(
-          isinstance(e, effect_type) for e in eqn.params["jaxpr"].effects):
-        return True
-      if any(holds_chain(sub) for sub in core_subjaxprs(eqn)):
-        return True
-    return False
+  def holds_chain(jaxpr, seen: dict) -> bool:  # seen: answers by jaxpr, for this module's lowering
+    if id(jaxpr) not in seen:
+      seen[id(jaxpr)] = any(
+          (eqn.primitive is shard_map.shard_map_p and any(isinstance(e, effect_type)
+                                                          for e in eqn.params["jaxpr"].effects))
+          or any(holds_chain(sub, seen) for sub in _subjaxprs(eqn)) for eqn in jaxpr.eqns)
+    return seen[id(jaxpr)]
 
   def plain(shardings, layouts) -> bool:
     return (all(isinstance(s, sharding_impls.UnspecifiedValue) for s in shardings)
@@ -285,8 +284,9 @@ def inline_jits_of_ordered_shard_maps(effect_type: type) -> None:
 
   def rule(ctx, *args, jaxpr, in_shardings, out_shardings, in_layouts, out_layouts, compiler_options_kvs,
            **params):
+    seen = ctx.module_context.cached_primitive_lowerings.setdefault(("b12x_jax", "jaxprs with chains"), {})
     if (compiler_options_kvs or not plain(in_shardings, in_layouts) or not plain(out_shardings, out_layouts)
-        or not holds_chain(jaxpr.jaxpr)):
+        or not holds_chain(jaxpr.jaxpr, seen)):
       return inner(ctx, *args, jaxpr=jaxpr, in_shardings=in_shardings, out_shardings=out_shardings,
                    in_layouts=in_layouts, out_layouts=out_layouts, compiler_options_kvs=compiler_options_kvs,
                    **params)
@@ -300,7 +300,7 @@ def inline_jits_of_ordered_shard_maps(effect_type: type) -> None:
   mlir.register_lowering(pjit.jit_p, rule, inline=entry.inline, cacheable=False)  # as JAX registers it
 
 
-def core_subjaxprs(eqn) -> list:
+def _subjaxprs(eqn) -> list:
   """The jaxprs (open) in the params of ``eqn``: bodies of control flow,
   nested jits, shard_maps and custom derivatives."""
   from jax.extend.core import jaxprs_in_params
