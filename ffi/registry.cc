@@ -29,28 +29,34 @@ std::string ordinal_list(const ChannelGroup& group) {
 
 }  // namespace
 
-std::string Registry::add(std::unique_ptr<ChannelGroup> group) {
-  std::unique_lock lock(mutex_);
+std::string Registry::conflict_locked(Platform platform, std::string_view channel, std::string_view partition,
+                                      const std::vector<int>& ordinals) const {
   for (const auto& existing : groups_) {
-    if (existing->platform() != group->platform() || existing->channel() != group->channel() ||
-        existing->partition() != group->partition()) {
+    if (existing->platform() != platform || existing->channel() != channel || existing->partition() != partition) {
       continue;
     }
-    for (int ordinal : group->ordinals()) {
+    for (int ordinal : ordinals) {
       for (int other : existing->ordinals()) {
         if (ordinal == other && ordinal != kRemoteRank) {
-          if (existing->ordinals() == group->ordinals()) {  // the same group, held by another Communicator
-            return "channel '" + group->channel() + "' is already prepared for devices " + ordinal_list(*group) +
-                   " by another Communicator of this process: use b12x_jax.get_communicator(), or close() "
-                   "the other one first";
+          if (existing->ordinals() == ordinals) {  // the same group, held by another Communicator
+            return "channel '" + std::string(channel) + "' is already prepared for devices " +
+                   ordinal_list(*existing) + " by another Communicator of this process: use "
+                   "b12x_jax.get_communicator(), or close() the other one first";
           }
-          return "channel '" + group->channel() + "' is already prepared on device " + std::to_string(ordinal) +
-                 " in another group of partition " + group->partition() + " (a device is in one group of a "
+          return "channel '" + std::string(channel) + "' is already prepared on device " + std::to_string(ordinal) +
+                 " in another group of partition " + std::string(partition) + " (a device is in one group of a "
                  "partition)";
         }
       }
     }
   }
+  return {};
+}
+
+std::string Registry::add(std::unique_ptr<ChannelGroup> group) {
+  std::unique_lock lock(mutex_);
+  std::string conflict = conflict_locked(group->platform(), group->channel(), group->partition(), group->ordinals());
+  if (!conflict.empty()) return conflict;
   group->write_generation(next_generation());
   groups_.push_back(std::move(group));
   return {};
@@ -103,6 +109,9 @@ bool Registry::revive(Platform platform, std::string_view preparation, std::stri
   for (auto it = released_.begin(); it != released_.end(); ++it) {
     ChannelGroup& group = **it;
     if (group.platform() != platform || group.preparation() != preparation) continue;
+    // Not over a live group of its devices (another Communicator's): add
+    // then says so.
+    if (!conflict_locked(platform, channel, group.partition(), group.ordinals()).empty()) return false;
     if (!group.wait_idle() || !group.reset()) return false;
     group.set_channel(std::string(channel));
     group.write_generation(next_generation());

@@ -176,7 +176,8 @@ class Registry {
                        const std::vector<int>& ordinals, const ChannelOptions& options) const;
   // Puts the released group of `preparation` back into use as `channel`,
   // reset (ChannelGroup::reset), under a fresh generation; false if it is
-  // gone, busy or cannot reset.
+  // gone, busy, cannot reset or would serve devices a live group of the
+  // channel serves.
   bool revive(Platform platform, std::string_view preparation, std::string_view channel);
   // Takes the group of `preparation` out of use again (a collective
   // preparation that failed after this process revived it).
@@ -209,6 +210,10 @@ class Registry {
   uint32_t generation_counter_ = 0;
   uint64_t local_preparations_ = 0;
   RankHandle find_locked(Platform platform, std::string_view channel, std::string_view partition, int ordinal) const;
+  // Why a group of `channel` over `partition` on `ordinals` cannot go into
+  // use (a device of it serves the channel in a live group), or empty.
+  std::string conflict_locked(Platform platform, std::string_view channel, std::string_view partition,
+                              const std::vector<int>& ordinals) const;
 
   mutable std::shared_mutex mutex_;
   std::vector<std::unique_ptr<ChannelGroup>> groups_;

@@ -118,9 +118,12 @@ def test_the_first_function_of_a_process_is_traced_once():
 
 def test_a_second_communicator_preparing_a_channel_the_first_holds_names_the_cause(cpu_mesh):
   # It said the device was "in another group of partition ...": the same group, held by another Communicator.
+  # Where a released group of the same devices and settings was there to reuse, the second took it, and two
+  # live groups served the channel on the same devices.
   mesh = cpu_mesh(2)
   with fresh_communicator() as comm:
-    comm.prepare(mesh, "x", channels=["held"])
+    comm.prepare(mesh, "x", channels=["held", "spare"])
+    comm.release("spare")  # reusable memory for the other Communicator
     other = b12x_jax.Communicator()
     with pytest.raises(b12x_jax.ChannelError, match=r"channel 'held' is already prepared for devices \[0, 1\] by "
                                                     r"another Communicator of this process: use "
