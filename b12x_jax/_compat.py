@@ -111,22 +111,20 @@ def _devices_of(ctx, mesh) -> np.ndarray:
 
 def _note_abstract_mesh_devices(ctx, mesh) -> None:
   """For a shard_map over an abstract mesh with b12x calls: its devices,
-  from the context it is lowered in (an enclosing shard_map's mesh of the
-  same shape, or the jitted function's device assignment), for
-  ``_devices_of``. Checked on jax 0.11.2 and 0.12.0.1."""
+  those of the enclosing shard_map's mesh of the same axes (a nested
+  shard_map takes the context's abstract mesh), for ``_devices_of``. No
+  other source: a flat device assignment does not say the mesh's order, and
+  a group in the wrong order sums with the wrong peers. Checked on jax
+  0.11.2 and 0.12.0.1."""
   import jax
   if isinstance(mesh, jax.sharding.Mesh):
     return
-  sizes = tuple(mesh.axis_sizes)
-  outer = ctx.module_context.axis_context
   known = ctx.module_context.cached_primitive_lowerings.setdefault(_MESH_DEVICES_KEY, {})
-  outer_mesh = getattr(outer, "mesh", None)
-  devices = None
-  if outer_mesh is not None and tuple(outer_mesh.axis_names) == tuple(mesh.axis_names) and \
-      tuple(outer_mesh.axis_sizes) == sizes:
-    devices = _devices_of(ctx, outer_mesh) if isinstance(outer_mesh, jax.sharding.Mesh) else known.get(outer_mesh)
-  elif getattr(outer, "device_assignment", None) is not None and len(outer.device_assignment) == mesh.size:
-    devices = np.array(outer.device_assignment, dtype=object).reshape(sizes)
+  outer_mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+  if outer_mesh is None or tuple(outer_mesh.axis_names) != tuple(mesh.axis_names) or \
+      tuple(outer_mesh.axis_sizes) != tuple(mesh.axis_sizes):
+    return
+  devices = _devices_of(ctx, outer_mesh) if isinstance(outer_mesh, jax.sharding.Mesh) else known.get(outer_mesh)
   if devices is not None:
     known[mesh] = devices
 
