@@ -59,6 +59,8 @@ MAX_RANKS: int = _b12x.constants["max_ranks"]
 MAX_BLOCKS: int = _b12x.constants["max_blocks"]
 PACK_BYTES: int = _b12x.constants["pack_bytes"]
 ALGORITHMS: dict[str, int] = dict(_b12x.constants["algorithms"])
+# The protocol this build speaks, as one word (ffi/bindings.cc protocol_fingerprint).
+PROTOCOL: int = _b12x.protocol
 _registered = False
 _register_lock = threading.Lock()
 # Device groups whose peer access passed its probe, per process.

@@ -24,19 +24,26 @@ from b12x_jax import _compat, _native
 from b12x_jax.errors import B12xError, ChannelError, CollectiveTimeoutError, TransportError
 
 FRAME_MAGIC = b"B12X"
-FRAME_VERSION = 3
+FRAME_VERSION = 4
 # magic, version, platform, poison_outputs, rank, world, process,
 # block_bytes, lamport_block_bytes, max_blocks (the layout), capacity_bytes,
 # lamport_bytes, max_blocks, timeout_s (the settings), then the lengths of the
-# channel name, host, algorithm, policy, kernels and payload; then those five
-# strings (UTF-8) and the payload. Little-endian, no padding: the same bytes on every
+# channel name, host, build, algorithm, policy, kernels and payload; then
+# those six strings (UTF-8) and the payload. Little-endian, no padding: the same bytes on every
 # host.
-_HEADER = struct.Struct("<4sHBBiiiQQiQQidHHBBBI")
+_HEADER = struct.Struct("<4sHBBiiiQQiQQidHHHBBBI")
 _VERSION = struct.Struct("<4sH")  # the part every version shares
 _PLATFORMS = ("cpu", "cuda")
 # Overrides the host identity (host_id): tests make two local processes look
 # like two hosts with it.
 HOST_ID_ENV = "B12X_JAX_HOST_ID"
+
+
+def build_id() -> str:
+  """What this process's b12x_jax speaks: its version and its native
+  protocol word (_native.PROTOCOL). Processes of one group must match."""
+  from b12x_jax._version import __version__
+  return f"b12x_jax {__version__}, protocol {_native.PROTOCOL:016x}"
 
 
 def host_id() -> str:
@@ -107,20 +114,21 @@ def agree(channel: str, settings: Settings, processes: Sequence[int], timeout_s:
 @dataclasses.dataclass(frozen=True)
 class Frame:
   """What rank ``rank`` of a channel, held by process ``process`` on host
-  ``host``, publishes for its peers."""
+  ``host`` with b12x_jax ``build`` (build_id), publishes for its peers."""
   platform: str
   channel: str
   rank: int
   world: int
   process: int
   host: str
+  build: str
   settings: Settings
   layout: tuple[int, int, int]  # (block_bytes, lamport_block_bytes, max_blocks): equal on every rank
   payload: bytes
 
   def encode(self) -> bytes:
     s = self.settings
-    strings = [v.encode() for v in (self.channel, self.host, s.algorithm, s.policy, s.kernels)]
+    strings = [v.encode() for v in (self.channel, self.host, self.build, s.algorithm, s.policy, s.kernels)]
     return _HEADER.pack(FRAME_MAGIC, FRAME_VERSION, _PLATFORMS.index(self.platform), s.poison_outputs, self.rank,
                         self.world, self.process, *self.layout, s.capacity_bytes, s.lamport_bytes, s.max_blocks,
                         s.timeout_s, *map(len, strings), len(self.payload)) + b"".join(strings) + self.payload
@@ -144,16 +152,22 @@ class Frame:
     for length in lengths:
       fields.append(data[at:at + length])
       at += length
-    channel, host, algorithm, policy, kernels = (f.decode() for f in fields[:5])
+    channel, host, build, algorithm, policy, kernels = (f.decode() for f in fields[:6])
     settings = Settings(algorithm, policy, capacity, lamport, max_blocks, timeout_s, bool(poison), kernels)
-    return cls(_PLATFORMS[platform], channel, rank, world, process, host, settings, (block, lamport_block, blocks),
-               fields[5])
+    return cls(_PLATFORMS[platform], channel, rank, world, process, host, build, settings,
+               (block, lamport_block, blocks), fields[6])
 
   def check_peer(self, peer: Frame, rank: int) -> None:
     """Raises ChannelError naming the field where ``peer``, published as
-    rank ``rank``, disagrees with this rank's frame: its identity first,
-    then the settings (naming both processes and both values, and the fix).
+    rank ``rank``, disagrees with this rank's frame: the build first (two
+    builds may lay out or read the channel's memory differently), its
+    identity next, then the settings (naming both processes and both
+    values, and the fix).
     The layout, which the host's devices may change, is ``check_layout``'s."""
+    if peer.build != self.build:
+      raise ChannelError(f"b12x_jax: channel {self.channel!r}: process {peer.process} (rank {rank}) runs "
+                         f"{peer.build}, process {self.process} (rank {self.rank}) runs {self.build}; install the "
+                         "same b12x_jax build in every process")
     for field, want, got in [("rank", rank, peer.rank), ("platform", self.platform, peer.platform),
                              ("channel", self.channel, peer.channel), ("world", self.world, peer.world)]:
       if want != got:
@@ -282,7 +296,8 @@ def prepare_shared(platform: str, channel: str, partition: str, group_key: str, 
     if pending is not None:
       layout = tuple(pending.layout())
       for rank, exported in pending.exports().items():
-        own = Frame(platform, channel, rank, len(ordinals), session.me, host_id(), settings, layout, exported)
+        own = Frame(platform, channel, rank, len(ordinals), session.me, host_id(), build_id(), settings, layout,
+                    exported)
         session.publish(f"frame/{rank}", own.encode())
     session.verdict("allocated", problem)
   except BaseException:

@@ -142,6 +142,27 @@ void prepare_local(Platform platform, const std::string& channel, const std::str
   add_group(make(), partition, registry.local_preparation());
 }
 
+// The protocol this build speaks, as one word (FNV-1a over its revision,
+// its layout and its exchanges' constants): processes whose words differ
+// must not meet on a channel (b12x_jax/rendezvous.py, Frame).
+uint64_t protocol_fingerprint() {
+  const uint64_t words[] = {
+      kProtocolRevision, kMaxRanks, kMaxBlocks, kPackBytes, kStagingSlots, kLamportBuffers, kLamportEmptyWord,
+      kLamportNaNWord, kFailureTimeout, kFailureMismatch, kFailureStale, kErrorComplete, sizeof(CallTag),
+      sizeof(Signal), offsetof(Signal, flag), offsetof(Signal, tag), offsetof(Signal, lamport_calls),
+      offsetof(Signal, lamport_buffer), offsetof(Signal, lamport_packs), offsetof(Signal, served),
+      offsetof(Signal, row_partial), offsetof(Signal, row_arrivals), offsetof(Signal, poisoned),
+      offsetof(Signal, generation), sizeof(ErrorRecord), offsetof(ErrorRecord, kind), offsetof(ErrorRecord, rank),
+      offsetof(ErrorRecord, peer), offsetof(ErrorRecord, epoch), offsetof(ErrorRecord, peer_gave_up),
+      offsetof(ErrorRecord, first_call), offsetof(ErrorRecord, expected), offsetof(ErrorRecord, seen),
+      offsetof(ErrorRecord, channel_generation)};
+  uint64_t hash = 0xcbf29ce484222325ull;
+  for (const uint64_t word : words) {
+    for (int byte = 0; byte < 8; ++byte) hash = (hash ^ (word >> 8 * byte & 0xFF)) * 0x100000001b3ull;
+  }
+  return hash;
+}
+
 }  // namespace
 }  // namespace b12x
 
@@ -180,6 +201,7 @@ NB_MODULE(_b12x, m) {
   constants["pack_bytes"] = kPackBytes;
   constants["algorithms"] = algorithms;
   m.attr("constants") = constants;
+  m.attr("protocol") = protocol_fingerprint();
 
   m.def("ffi_api_version", [] { return std::make_pair(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR); },
         "The XLA FFI API version of the headers this extension was built against.");

@@ -32,6 +32,12 @@ inline constexpr size_t kPackBytes = 16;
 // Lamport exchange (lamport.h): each argues its own reuse.
 inline constexpr int kStagingSlots = 2;
 inline constexpr int kLamportBuffers = 3;
+// Two builds meet on a channel only if they speak the same protocol
+// (b12x_jax/rendezvous.py, Frame): the layouts of this file and the
+// constants of the exchanges are compared without help (bindings.cc,
+// protocol_fingerprint), but a change of meaning with the same layout (what
+// a word holds, the order of a call's steps, an encoding) must bump this.
+inline constexpr uint32_t kProtocolRevision = 1;
 
 // What one call is, announced with it and checked by every peer (DESIGN.md,
 // "The call tag"): two ranks that reach different calls on one channel stop

@@ -876,13 +876,17 @@ def late_start_mode(args) -> dict:
 def settings_mode(args) -> dict:
   """Each process makes its own Communicator (``--communicators``: a JSON
   list of keyword arguments, one dict per process; the environment may
-  differ too) and runs all_reduce on fresh 4 KiB shards. Returns the error
+  differ too, and $B12X_TEST_BUILD poses as another build) and runs
+  all_reduce on fresh 4 KiB shards. Returns the error
   it raised, or, after checking the values against float64, the path the
   call took and why; and the shared memory still mapped."""
   import jax
   import numpy as np
 
   import b12x_jax
+  from b12x_jax import rendezvous
+  if "B12X_TEST_BUILD" in os.environ:  # this process poses as another build of b12x_jax
+    rendezvous.build_id = lambda: os.environ["B12X_TEST_BUILD"]
   mesh = _mesh()
   b12x_jax.set_communicator(_communicator(args, **json.loads(args.communicators)[jax.process_index()]))
   start = time.monotonic()

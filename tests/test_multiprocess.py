@@ -265,9 +265,23 @@ def test_one_process_of_three_that_disagrees_makes_all_three_raise(multiprocess)
     assert re.search(r"process [01] has algorithm='auto', process 2 has algorithm='two_shot'", r["message"]), r
 
 
+def test_processes_of_different_builds_all_raise_naming_both_builds(multiprocess):
+  # Before the build travelled in the frame, two builds that lay out or
+  # read the channel's memory differently met on it without an error.
+  other = "b12x_jax 0.0.9, protocol 0123456789abcdef"
+  for r in _settings(multiprocess, {}, {}, env={1: {"B12X_TEST_BUILD": other}}):
+    assert r["error"] == "ChannelError", r
+    assert re.search(rf"process 1 \(rank 1\) runs {other}, process 0 \(rank 0\) runs "
+                     rf"{re.escape(rendezvous.build_id())}; install the same b12x_jax build|"
+                     rf"process 0 \(rank 0\) runs {re.escape(rendezvous.build_id())}, process 1 \(rank 1\) runs "
+                     rf"{other}; install the same b12x_jax build", r["message"]), r
+    assert r["seconds"] < 30 and r["mapped"] == [], r
+
+
 def test_a_frame_survives_encoding_and_a_frame_of_another_version_is_refused():
   settings = rendezvous.Settings("two_shot", "strict", 1 << 20, 4096, 16, 2.5, True, "auto")
-  frame = rendezvous.Frame("cuda", "target", 1, 4, 3, "node-a (boot)", settings, (4096, 1024, 16), b"\x00handle")
+  frame = rendezvous.Frame("cuda", "target", 1, 4, 3, "node-a (boot)", rendezvous.build_id(), settings,
+                           (4096, 1024, 16), b"\x00handle")
   assert rendezvous.Frame.decode(frame.encode()) == frame
   older = bytearray(frame.encode())
   older[4:6] = (rendezvous.FRAME_VERSION - 1).to_bytes(2, "little")
