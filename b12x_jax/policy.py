@@ -6,6 +6,7 @@ it reads only the settings the Communicator was made with."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Literal
 
@@ -42,6 +43,12 @@ class Decision:
   kernel: Literal["ffi", "triton"] | None = None
 
 
+def _fewest_devices_of_a_process() -> int:
+  """The fewest devices any process holds: an axis of more devices may
+  span processes, wherever it lies (processes may hold different numbers)."""
+  return min(collections.Counter(d.process_index for d in jax.devices()).values())
+
+
 class CallPolicy:
   """The per-call decision of a Communicator, from its settings: ``policy``,
   ``capacity_bytes``, ``kernels`` (set by Communicator.__init__). Keeps
@@ -76,7 +83,7 @@ class CallPolicy:
     says it is faster); ``detail`` is added to the reason of a b12x path,
     and so is ``kernel`` (choose_kernel's kind and why), whose kind the
     decision records."""
-    if axis_size > jax.local_device_count():  # the group spans processes, whichever path each takes
+    if axis_size > _fewest_devices_of_a_process():  # the group may span processes, whichever path each takes
       self._agree(channel)
     name = np.dtype(dtype).name
     staged = nbytes if staged_bytes is None else staged_bytes

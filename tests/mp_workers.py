@@ -26,7 +26,8 @@ import time
 def _setup(args) -> None:
   if args.platform == "cpu":
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    devices = os.environ.get("B12X_TEST_LOCAL_DEVICES", "1")  # uneven mode gives one process more
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   else:  # a test process that keeps off the GPU (JAX_PLATFORMS=cpu) still launches GPU workers
     os.environ.pop("JAX_PLATFORMS", None)
   import jax
@@ -74,7 +75,7 @@ def _check(fn, mesh, rng, elems, dtype_name, roundings=1) -> str:
   import jax
   from helpers import DTYPES, assert_sum_matches, random_shards
   from b12x_jax import _native
-  shards = random_shards(rng, jax.device_count(), elems, DTYPES[dtype_name])
+  shards = random_shards(rng, mesh.size, elems, DTYPES[dtype_name])
   got = _run(fn, mesh, shards)
   try:
     assert_sum_matches(got[None], shards, dtype_name, roundings)
@@ -901,6 +902,28 @@ def settings_mode(args) -> dict:
   return {"error": None, "path": decision.path, "reason": decision.reason, "mapped": _mapped_shm()}
 
 
+def uneven_mode(args) -> dict:
+  """Processes hold different numbers of devices ($B12X_TEST_LOCAL_DEVICES
+  per process): the mesh takes each process's first, so its axis spans
+  processes though it is no longer than some process's devices. Runs
+  all_reduce on fresh 4 KiB shards; returns the path and the error, if any."""
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh
+
+  import b12x_jax
+  firsts = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+            for p in range(jax.process_count())]
+  mesh = Mesh(np.array(firsts), ("x",))
+  b12x_jax.set_communicator(_communicator(args))
+  try:
+    with b12x_jax.channel("uneven"):
+      _check(_reducer(mesh, b12x_jax.all_reduce), mesh, np.random.default_rng(5), 1024, "float32")
+  except b12x_jax.B12xError as e:
+    return {"error": type(e).__name__, "message": str(e)}
+  return {"error": None, "path": b12x_jax.get_communicator().decisions[-1].path}
+
+
 def stale_shm_mode(args) -> dict:
   """Before its first preparation each process leaves shared-memory names
   of its own pid behind, as a process that died with them would have (a pid
@@ -1273,7 +1296,7 @@ MODES = {"after_failure": after_failure_mode, "stale_replay": stale_replay_mode,
          "exit_pending": exit_pending_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,
          "residual_rmsnorm": residual_rmsnorm_mode, "never_calls": never_calls_mode, "mismatch": mismatch_mode, "reprepare": reprepare_mode,
          "independent": independent_mode, "dispatch_order": dispatch_order_mode, "late_start": late_start_mode,
-         "wrap": wrap_mode, "two_hosts": two_hosts_mode, "stale_shm": stale_shm_mode,
+         "wrap": wrap_mode, "two_hosts": two_hosts_mode, "stale_shm": stale_shm_mode, "uneven": uneven_mode,
          "triton": triton_mode}
 
 

@@ -278,6 +278,14 @@ def test_processes_of_different_builds_all_raise_naming_both_builds(multiprocess
     assert r["seconds"] < 30 and r["mapped"] == [], r
 
 
+def test_an_axis_across_processes_of_uneven_devices_agrees_and_runs_on_b12x(multiprocess):
+  # Process 0 holds 2 devices, the axis 2: process 0 took the axis for one
+  # of its own and skipped the agreement its peer waited in until timeout.
+  results = multiprocess("uneven", 2, env={0: {"B12X_TEST_LOCAL_DEVICES": "2"}}, hard_timeout=60)
+  assert [r["error"] for r in results] == [None, None], results
+  assert [r["path"] for r in results] == ["b12x", "b12x"], results
+
+
 def test_a_frame_survives_encoding_and_a_frame_of_another_version_is_refused():
   settings = rendezvous.Settings("two_shot", "strict", 1 << 20, 4096, 16, 2.5, True, "auto")
   frame = rendezvous.Frame("cuda", "target", 1, 4, 3, "node-a (boot)", rendezvous.build_id(), settings,
