@@ -21,6 +21,7 @@ import threading
 from collections.abc import Sequence
 
 from b12x_jax import _compat, _native
+from b12x_jax._version import __version__
 from b12x_jax.errors import B12xError, ChannelError, CollectiveTimeoutError, TransportError
 
 FRAME_MAGIC = b"B12X"
@@ -42,7 +43,6 @@ HOST_ID_ENV = "B12X_JAX_HOST_ID"
 def build_id() -> str:
   """What this process's b12x_jax speaks: its version and its native
   protocol word (_native.PROTOCOL). Processes of one group must match."""
-  from b12x_jax._version import __version__
   return f"b12x_jax {__version__}, protocol {_native.PROTOCOL:016x}"
 
 
