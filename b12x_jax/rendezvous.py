@@ -106,7 +106,7 @@ def agree(channel: str, settings: Settings, processes: Sequence[int], timeout_s:
   that does not trace the call within ``timeout_s`` makes the others raise
   CollectiveTimeoutError. The n-th agreement on a channel in every process
   is one session: every process traces the same program."""
-  session = Session(f"agree/{channel}", processes, timeout_s)
+  session = Session(f"agree/{channel}", processes, timeout_s, _AGREE_ADVICE)
   words = session.gather("settings", json.dumps(dataclasses.asdict(settings)).encode())
   check_agreement(channel, {p: Settings(**json.loads(w)) for p, w in words.items()})
 
@@ -183,6 +183,14 @@ class Frame:
                          f"{self.layout!r}; make the Communicator the same in every process")
 
 
+_SETUP_ADVICE = ("Preparing and releasing a channel shared between processes are collective: every process of the "
+                 "group must make the same calls (Communicator.prepare / release / close, or lower the same program "
+                 "with the same Communicator settings: a process with policy 'psum', or a window its call falls "
+                 "outside of, prepares nothing); raise Communicator(setup_timeout_s=...) if a process is only slow.")
+_AGREE_ADVICE = ("Tracing a call whose axis may span processes is collective: every process of jax.distributed "
+                 "compares its settings before the call takes a path, so every process must trace the same program "
+                 "(a program on the devices of only some processes cannot use b12x_jax, not even its psum path); "
+                 "raise Communicator(setup_timeout_s=...) if a process is only slow.")
 _sessions: collections.Counter[str] = collections.Counter()
 _sessions_lock = threading.Lock()
 
@@ -193,7 +201,7 @@ class Session:
   other session uses: the n-th session of ``what`` in every process, since
   every process runs the same collective operations in the same order."""
 
-  def __init__(self, what: str, processes: Sequence[int], timeout_s: float):
+  def __init__(self, what: str, processes: Sequence[int], timeout_s: float, advice: str = _SETUP_ADVICE):
     with _sessions_lock:
       _sessions[what] += 1
       self.prefix = f"b12x/{what}/{_sessions[what]}"
@@ -201,6 +209,7 @@ class Session:
     self.processes = sorted(processes)
     self.me = _process_index()
     self.timeout_s = timeout_s
+    self.advice = advice  # what a timeout tells the user to do
 
   def publish(self, name: str, value: bytes) -> None:
     _compat.kv_set_bytes(f"{self.prefix}/{name}", value)
@@ -245,13 +254,8 @@ class Session:
                   f"processes, so every process rolled it back ({text})")
 
   def _timeout(self, step: str, missing: str) -> CollectiveTimeoutError:
-    return CollectiveTimeoutError(
-        f"b12x_jax: {self.what}: step {step!r} timed out after {self.timeout_s:g} s in process {self.me}: "
-        f"{missing}. Preparing and releasing a channel shared between processes are collective: every "
-        f"process of the group must make the same calls (Communicator.prepare / release / close, or lower "
-        f"the same program with the same Communicator settings: a process with policy 'psum', or a window "
-        f"its call falls outside of, prepares nothing); raise Communicator(setup_timeout_s=...) if a process "
-        f"is only slow.")
+    return CollectiveTimeoutError(f"b12x_jax: {self.what}: step {step!r} timed out after {self.timeout_s:g} s in "
+                                  f"process {self.me}: {missing}. {self.advice}")
 
 
 # Memory a rollback or release could not prove unmapped everywhere (a peer

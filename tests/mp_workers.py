@@ -905,15 +905,19 @@ def settings_mode(args) -> dict:
 def uneven_mode(args) -> dict:
   """Processes hold different numbers of devices ($B12X_TEST_LOCAL_DEVICES
   per process): the mesh takes each process's first, so its axis spans
-  processes though it is no longer than some process's devices. Runs
-  all_reduce on fresh 4 KiB shards; returns the path and the error, if any."""
+  processes though it is no longer than some process's devices; or only
+  the first $B12X_TEST_MESH_PROCESSES processes' (the others stay idle).
+  Runs all_reduce on fresh 4 KiB shards; returns the path and the error,
+  if any."""
   import jax
   import numpy as np
   from jax.sharding import Mesh
 
   import b12x_jax
-  firsts = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
-            for p in range(jax.process_count())]
+  processes = int(os.environ.get("B12X_TEST_MESH_PROCESSES", jax.process_count()))
+  if jax.process_index() >= processes:
+    return {"idle": True}
+  firsts = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in range(processes)]
   mesh = Mesh(np.array(firsts), ("x",))
   b12x_jax.set_communicator(_communicator(args))
   try:

@@ -286,6 +286,19 @@ def test_an_axis_across_processes_of_uneven_devices_agrees_and_runs_on_b12x(mult
   assert [r["path"] for r in results] == ["b12x", "b12x"], results
 
 
+def test_a_program_on_some_processes_only_times_out_naming_an_idle_one(multiprocess):
+  # The limit README states: the agreement at trace time waits for every
+  # process of jax.distributed, so processes 0 and 1 wait for idle 2.
+  every = {"B12X_TEST_MESH_PROCESSES": "2"}
+  results = multiprocess("uneven", 3, "--communicator", json.dumps({"setup_timeout_s": 2.0}),
+                         env={p: every for p in range(3)}, hard_timeout=60)
+  assert results[2] == {"idle": True}, results
+  for r in results[:2]:
+    assert r["error"] == "CollectiveTimeoutError", r
+    assert re.search(r"timed out after 2 s in process [01]: process 2 did not report\. Tracing a call whose axis "
+                     r"may span processes is collective.*every process must trace the same program", r["message"]), r
+
+
 def test_a_frame_survives_encoding_and_a_frame_of_another_version_is_refused():
   settings = rendezvous.Settings("two_shot", "strict", 1 << 20, 4096, 16, 2.5, True, "auto")
   frame = rendezvous.Frame("cuda", "target", 1, 4, 3, "node-a (boot)", rendezvous.build_id(), settings,
