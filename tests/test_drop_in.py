@@ -157,6 +157,23 @@ def _pytree_shards(rng, n: int) -> dict:
               rng.standard_normal((n, *shape))).astype(dtype) for k, (shape, dtype) in PYTREE.items()}
 
 
+@pytest.mark.parametrize("x", [1, 2.5, np.float32(2.0), (3, np.arange(3)), {"a": np.int8(3)}])
+def test_constants_sum_while_tracing_into_what_psum_gives(cpu_mesh, x):
+  # psum(1, axis) is the axis size as a static int (a shape, a loop bound);
+  # all_reduce gave a traced array that no shape could take.
+  mesh = cpu_mesh(2)
+  def body(y):
+    ours, theirs = jax.tree.leaves(b12x_jax.all_reduce(x, "x")), jax.tree.leaves(jax.lax.psum(x, "x"))
+    assert [type(a) for a in ours] == [type(b) for b in theirs], (ours, theirs)
+    for a, b in zip(ours, theirs):
+      np.testing.assert_array_equal(a, b)
+    return y.reshape(b12x_jax.all_reduce(1, "x"), -1).sum(0)
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  with b12x_jax.channel("constants"):
+    got = fn(jax.device_put(np.arange(8, dtype=np.float32), NamedSharding(mesh, P("x"))))
+  np.testing.assert_array_equal(np.asarray(got), [2, 4, 10, 12])
+
+
 def test_a_pytree_of_small_leaves_is_one_packed_call_per_dtype(cpu_mesh):
   n = 4
   mesh = cpu_mesh(n)

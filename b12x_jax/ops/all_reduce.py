@@ -50,8 +50,11 @@ def all_reduce(x, axis_name, *, axis_index_groups=None, channel: str | None = No
   whose total fits the Lamport window (``lamport_bytes``) are packed into
   one call, padded to a multiple of 16 bytes (so a leaf that is not one
   runs on b12x too); each leaf gets the bits a b12x call of its own would
-  give. The other leaves are a call each. ``axis_name`` a name or a tuple
-  of names, and ``axis_index_groups`` what psum takes. The b12x path takes
+  give. The other leaves are a call each. An ``x`` with no traced leaf
+  (numbers, NumPy arrays) is summed while tracing, as psum sums it, into
+  static values: ``all_reduce(1, axis)`` is the axis size, an int.
+  ``axis_name`` a name or a tuple of names, and ``axis_index_groups`` what
+  psum takes. The b12x path takes
   one shard_map mesh axis without groups, float32/bfloat16/float16 payloads
   that are a multiple of 16 bytes and at most the communicator's
   ``capacity_bytes``; anything else (a tuple of several axes, groups, a
@@ -71,7 +74,14 @@ def all_reduce(x, axis_name, *, axis_index_groups=None, channel: str | None = No
   leaves, tree = jax.tree.flatten(x)
   if not leaves:
     return x  # an empty pytree, as psum returns it
-  leaves = [_check_operand(leaf) for leaf in leaves]
+  checked = [_check_operand(leaf) for leaf in leaves]
+  if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+    # Values every device holds alike (psum(1, axis), the axis size): psum
+    # sums them while tracing, with no collective, into static values.
+    for axis in axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,):
+      axis_size(axis, _OP)
+    return jax.lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
+  leaves = checked
   results: list = [None] * len(leaves)
   for pack in _packs(leaves, axis_name, axis_index_groups):
     if len(pack) == 1:
