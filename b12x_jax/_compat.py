@@ -193,6 +193,17 @@ def kv_get_bytes(key: str, timeout_s: float) -> bytes | None:
 # inside a program without an effect on its executable.
 
 
+def with_weak_type(x, weak_type: bool):
+  """Traced ``x`` with its dtype and the weak type ``weak_type``. jax 0.11
+  and 0.12 set it only in ``lax._convert_element_type``; goes when
+  ``jax.lax.convert_element_type`` takes it."""
+  import jax
+  if jax.typeof(x).weak_type == weak_type:
+    return x
+  from jax._src.lax import lax
+  return lax._convert_element_type(x, weak_type=weak_type)
+
+
 def axis_effect_base() -> type:
   """``core.NamedAxisEffect``: an effect named by a mesh axis, which
   ``jax.shard_map`` drops from its own effects (``core.filter_named_axis_effects``

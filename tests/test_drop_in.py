@@ -174,6 +174,25 @@ def test_constants_sum_while_tracing_into_what_psum_gives(cpu_mesh, x):
   np.testing.assert_array_equal(np.asarray(got), [2, 4, 10, 12])
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_weak_types_and_so_promoted_dtypes_match_psum(cpu_mesh, check_vma):
+  # A pack made a weak leaf strong, and a lone call kept a weak type that
+  # psum drops without check_vma: bfloat16 + the sum promoted differently.
+  mesh = cpu_mesh(2)
+  seen = {}
+  def body(x, scale):
+    weak = jnp.broadcast_to(scale, (4,))  # weakly typed float32[4]
+    for f in (jax.lax.psum, b12x_jax.all_reduce):
+      packed, alone = f((weak, jnp.full(4, 3.0, jnp.float32)), "x")[0], f(weak, "x")
+      seen[f.__name__] = [(jax.typeof(r).weak_type, (r + jnp.ones(4, jnp.bfloat16)).dtype) for r in (packed, alone)]
+    return x
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"), check_vma=check_vma))
+  with b12x_jax.channel("weak"):
+    fn(_sharded(mesh, np.arange(8, dtype=np.float32)), 2.0)
+  assert seen["all_reduce"] == seen["psum"], seen
+  assert [d.path for d in b12x_jax.get_communicator().decisions[-2:]] == ["b12x", "b12x"]
+
+
 def test_a_pytree_of_small_leaves_is_one_packed_call_per_dtype(cpu_mesh):
   n = 4
   mesh = cpu_mesh(n)

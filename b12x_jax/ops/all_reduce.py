@@ -89,7 +89,10 @@ def all_reduce(x, axis_name, *, axis_index_groups=None, channel: str | None = No
     else:
       for i, result in zip(pack, _all_reduce_packed([leaves[i] for i in pack], axis_name, channel)):
         results[i] = result
-  return tree.unflatten(results)
+  # Weak types as psum's (a pack is strong, a call keeps its operand's):
+  # downstream dtype promotion must not differ from psum's.
+  like_psum = jax.eval_shape(lambda t: jax.lax.psum(t, axis_name, axis_index_groups=axis_index_groups), leaves)
+  return tree.unflatten([_compat.with_weak_type(r, p.weak_type) for r, p in zip(results, like_psum)])
 
 
 def _packs(leaves: list[jax.Array], axis_name, axis_index_groups) -> list[list[int]]:
