@@ -18,6 +18,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Sequence
 
 from b12x_jax import _compat, _native
@@ -210,24 +211,30 @@ class Session:
     self.me = _process_index()
     self.timeout_s = timeout_s
     self.advice = advice  # what a timeout tells the user to do
+    self._deadlines: dict[str, float] = {}  # step -> when its waits end: one bound per step, not per peer
+
+  def _remaining(self, step: str) -> float:
+    """Seconds left of ``step``'s bound, which starts at its first wait."""
+    deadline = self._deadlines.setdefault(step, time.monotonic() + self.timeout_s)
+    return max(0.0, deadline - time.monotonic())
 
   def publish(self, name: str, value: bytes) -> None:
     _compat.kv_set_bytes(f"{self.prefix}/{name}", value)
 
   def fetch(self, name: str, step: str) -> bytes:
     """The value a peer published under ``name`` as part of ``step``."""
-    value = _compat.kv_get_bytes(f"{self.prefix}/{name}", self.timeout_s)
+    value = _compat.kv_get_bytes(f"{self.prefix}/{name}", self._remaining(f"fetch {step}"))
     if value is None:
       raise self._timeout(step, f"{name!r} was not published")
     return value
 
   def gather(self, step: str, word: bytes) -> dict[int, bytes]:
     """Publishes this process's ``word`` for ``step`` and returns every
-    process's (process -> word), waiting for each at most the timeout."""
+    process's (process -> word), waiting at most the timeout for all."""
     self.publish(f"{step}/p{self.me}", word)
     words = {}
     for p in self.processes:
-      words[p] = _compat.kv_get_bytes(f"{self.prefix}/{step}/p{p}", self.timeout_s)
+      words[p] = _compat.kv_get_bytes(f"{self.prefix}/{step}/p{p}", self._remaining(step))
       if words[p] is None:
         raise self._timeout(step, f"process {p} did not report")
     return words
