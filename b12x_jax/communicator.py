@@ -404,6 +404,10 @@ class Communicator(CallPolicy):
     holds no group of (a typo, a channel never called) releases nothing and
     makes nothing trace again."""
     validate_channel_name(channel, "Communicator.release")
+    return self._release(channel, self.setup_timeout_s)
+
+  def _release(self, channel: str, timeout_s: float) -> bool:
+    """``release``, whose collective step waits at most ``timeout_s``."""
     settle()
     with self._lock:
       if not any(name == channel for _, name in self._groups):
@@ -422,19 +426,25 @@ class Communicator(CallPolicy):
         if processes is None:
           _native.release(platform, channel)
         else:
-          rendezvous.release_shared(platform, channel, processes, self.setup_timeout_s)
+          rendezvous.release_shared(platform, channel, processes, timeout_s)
     return True
 
   def close(self) -> None:
     """Releases every channel, in sorted name order (collective where shared
-    between processes: every process calls it). Harmless to call twice."""
+    between processes: every process calls it). Harmless to call twice.
+    Once a release times out, the rest wait for no peer (one that did not
+    come to the first will not come to the next): a dead peer costs one
+    ``setup_timeout_s``, not one per channel."""
     with self._lock:
       errors = []
+      timeout_s = self.setup_timeout_s
       for channel in sorted({name for _, name in self._groups}):
         try:
-          self.release(channel)
+          self._release(channel, timeout_s)
         except B12xError as e:  # release the rest, then report
           errors.append(e)
+          if isinstance(e, CollectiveTimeoutError):
+            timeout_s = 0.0
       self._closed = True
       if errors:
         raise errors[0]

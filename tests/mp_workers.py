@@ -639,6 +639,32 @@ def never_joins_mode(args) -> dict:
   return {"message": message, "seconds": time.monotonic() - start, "mapped": _mapped_shm()}
 
 
+def close_after_peer_died_mode(args) -> dict:
+  """Both processes prepare three channels; process 1 dies (SIGKILL), and
+  process 0 closes: it must not wait the setup timeout once per channel.
+  Returns how long close took and what it raised."""
+  import signal
+
+  import jax
+
+  import b12x_jax
+  comm = b12x_jax.Communicator(setup_timeout_s=args.setup_timeout)
+  b12x_jax.set_communicator(comm)
+  comm.prepare(_mesh(), "x", channels=["a", "b", "c"])
+  if jax.process_index() == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+  time.sleep(1)
+  start = time.monotonic()
+  try:
+    comm.close()
+    error = None
+  except b12x_jax.B12xError as e:
+    error = type(e).__name__
+  print("RESULT " + json.dumps({"seconds": time.monotonic() - start, "error": error,
+                                "prepared": sorted(comm.prepared_channels())}), flush=True)
+  os._exit(0)  # jax.distributed's shutdown would wait for the dead peer
+
+
 def close_twice_mode(args) -> dict:
   import numpy as np
 
@@ -1301,7 +1327,7 @@ def same_program_mode(args) -> dict:
 MODES = {"after_failure": after_failure_mode, "stale_replay": stale_replay_mode, "misplaced_export": misplaced_export_mode, "reuse_cycles": reuse_cycles_mode, "dies_preparing": dies_preparing_mode,
          "capacity_edge": capacity_edge_mode, "loops": loops_mode, "same_program": same_program_mode, "drop_in": drop_in_mode, "all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
          "never_joins": never_joins_mode, "close_twice": close_twice_mode, "throwaway": throwaway_mode,
-         "exit_pending": exit_pending_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,
+         "exit_pending": exit_pending_mode, "close_after_peer_died": close_after_peer_died_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,
          "residual_rmsnorm": residual_rmsnorm_mode, "never_calls": never_calls_mode, "mismatch": mismatch_mode, "reprepare": reprepare_mode,
          "independent": independent_mode, "dispatch_order": dispatch_order_mode, "late_start": late_start_mode,
          "wrap": wrap_mode, "two_hosts": two_hosts_mode, "stale_shm": stale_shm_mode, "uneven": uneven_mode,

@@ -184,6 +184,12 @@ def test_a_peer_killed_mid_run_makes_the_survivor_raise_within_the_timeout(multi
   assert survivor["seconds"] < 2 + 5, survivor
 
 
+def test_close_after_a_peer_died_waits_one_setup_timeout_not_one_per_channel(multiprocess):
+  survivor, _ = multiprocess("close_after_peer_died", 2, "--setup-timeout", "2", killed=(1,))
+  assert survivor["error"] == "CollectiveTimeoutError" and survivor["prepared"] == [], survivor
+  assert survivor["seconds"] < 2 + 1.5, survivor  # three channels waited 6 s
+
+
 def _settings(multiprocess, *communicators: dict, env=None) -> list[dict]:
   return multiprocess("settings", len(communicators), "--communicators", json.dumps(communicators), env=env,
                       hard_timeout=60)
