@@ -12,7 +12,11 @@ bound to two channels, and a nested trace inherits its enclosing channel.
 
 Known escapes (by construction of JAX, documented and tested):
   * other Python threads do not see a scope entered in this thread;
-  * a ``vjp_fn`` called outside the scope traces under the scope active then;
+  * rules JAX traces after the call, under the scope active then: a
+    ``vjp_fn`` called outside the scope, a ``custom_vjp``'s bwd (traced when
+    the vjp_fn runs), a ``custom_jvp``'s rule of a jitted function
+    differentiated later (``grad(jit(f))``); pass ``channel=`` in such rules,
+    or put the scope around the differentiation;
   * AOT-compiled (``lower().compile()``) and exported functions keep the
     channel they were lowered with (in each call's ``channel_id``).
 """
@@ -112,6 +116,8 @@ def set_strict(enabled: bool = True) -> None:
   """In strict mode a collective traced outside any channel scope (and
   without ``channel=``) raises instead of using channel "default", and a
   channel must be prepared explicitly (``Communicator.prepare``) before use.
+  It is read while tracing and is not part of jit's cache key: a function
+  traced before it changed runs on as it was traced.
   """
   if enabled:
     _strict.set()
@@ -134,6 +140,7 @@ def resolve_channel(explicit: str | None, op: str) -> str:
   if is_strict():
     raise ChannelError(
         f"b12x_jax.{op}: traced outside any channel scope in strict mode; wrap the "
-        f"computation in `with b12x_jax.channel(name):` or pass channel=... "
-        f"(or leave strict mode: b12x_jax.set_strict(False))")
+        f"computation in `with b12x_jax.channel(name):` or pass channel=... (a custom_vjp bwd or "
+        f"custom_jvp rule is traced when it is differentiated, after the scope of its call: pass channel= "
+        f"there) (or leave strict mode: b12x_jax.set_strict(False))")
   return DEFAULT_CHANNEL

@@ -186,3 +186,29 @@ def test_every_process_lowers_the_same_program_whatever_its_hash_seed():
     assert proc.returncode == 0, proc.stderr[-3000:]
     programs.add(proc.stdout.split("PROGRAM ")[-1].strip())
   assert len(programs) == 1, programs
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_rule_traced_after_its_call_takes_the_scope_active_then_unless_pinned(lowered_text, pinned):
+  # Known escapes (b12x_jax/channels.py): JAX traces a custom_vjp's bwd when
+  # the vjp_fn runs, after the scope around the call has exited.
+  @jax.custom_vjp
+  def reduce(v):
+    return b12x_jax.all_reduce(v, "x")
+
+  def forward(v):
+    return reduce(v), v
+
+  def backward(v, g):  # v * the sum: the cotangent varies as v does
+    return (v * b12x_jax.all_reduce(g, "x", channel="draft" if pinned else None),)
+
+  reduce.defvjp(forward, backward)
+
+  def fn(x):
+    with b12x_jax.channel("draft"):
+      y, vjp_fn = jax.vjp(reduce, x)
+    with b12x_jax.channel("target"):
+      (g,) = vjp_fn(y)
+    return y.sum() + b12x_jax.all_reduce(g.sum(), "x", channel="draft")
+
+  assert sorted(set(_channel_ids(lowered_text(fn)))) == (["draft"] if pinned else ["draft", "target"])
