@@ -172,9 +172,17 @@ def distributed_client():
   return distributed.global_state.client
 
 
-def kv_set_bytes(key: str, value: bytes) -> None:
-  """Publishes ``value`` under ``key``; a key is written once."""
-  distributed_client().key_value_set_bytes(key, value)
+def kv_set_bytes(key: str, value: bytes, *, overwrite: bool = False) -> None:
+  """Publishes ``value`` under ``key``; a key is written once unless ``overwrite``."""
+  distributed_client().key_value_set_bytes(key, value, allow_overwrite=overwrite)
+
+
+def kv_try_get_bytes(key: str) -> bytes | None:
+  """The value of ``key`` now, or None if nobody published it."""
+  try:
+    return distributed_client().key_value_try_get_bytes(key)
+  except RuntimeError:  # the client raises NOT_FOUND
+    return None
 
 
 def kv_get_bytes(key: str, timeout_s: float) -> bytes | None:

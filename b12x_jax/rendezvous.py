@@ -192,6 +192,9 @@ _AGREE_ADVICE = ("Tracing a call whose axis may span processes is collective: ev
                  "compares its settings before the call takes a path, so every process must trace the same program "
                  "(a program on the devices of only some processes cannot use b12x_jax, not even its psum path); "
                  "raise Communicator(setup_timeout_s=...) if a process is only slow.")
+# Where each process last waited for its peers (overwritten at every step):
+# a timeout names what the missing process was doing instead.
+_LAST_STEP = "b12x/last_step"
 _sessions: collections.Counter[str] = collections.Counter()
 _sessions_lock = threading.Lock()
 
@@ -230,13 +233,18 @@ class Session:
 
   def gather(self, step: str, word: bytes) -> dict[int, bytes]:
     """Publishes this process's ``word`` for ``step`` and returns every
-    process's (process -> word), waiting at most the timeout for all."""
+    process's (process -> word), waiting at most the timeout for all. A
+    process that does not report is named with the last step it waited in."""
     self.publish(f"{step}/p{self.me}", word)
+    _compat.kv_set_bytes(f"{_LAST_STEP}/p{self.me}", f"{self.what} #{self.prefix.rsplit('/', 1)[1]}, step "
+                         f"{step!r}".encode(), overwrite=True)
     words = {}
     for p in self.processes:
       words[p] = _compat.kv_get_bytes(f"{self.prefix}/{step}/p{p}", self._remaining(step))
       if words[p] is None:
-        raise self._timeout(step, f"process {p} did not report")
+        last = _compat.kv_try_get_bytes(f"{_LAST_STEP}/p{p}")
+        where = "no b12x_jax step yet" if last is None else last.decode()
+        raise self._timeout(step, f"process {p} did not report (its last: {where})")
     return words
 
   def verdict(self, step: str, problem: BaseException | None) -> None:

@@ -665,6 +665,20 @@ def close_after_peer_died_mode(args) -> dict:
   os._exit(0)  # jax.distributed's shutdown would wait for the dead peer
 
 
+def elsewhere_mode(args) -> dict:
+  """Process 0 prepares channel "target", process 1 "draft": each times
+  out waiting for the other; returns the message."""
+  import jax
+
+  import b12x_jax
+  b12x_jax.set_communicator(b12x_jax.Communicator(setup_timeout_s=args.setup_timeout))
+  try:
+    b12x_jax.get_communicator().prepare(_mesh(), "x", channels=[("target", "draft")[jax.process_index()]])
+  except b12x_jax.CollectiveTimeoutError as e:
+    return {"message": str(e)}
+  return {"message": None}
+
+
 def close_twice_mode(args) -> dict:
   import numpy as np
 
@@ -1327,7 +1341,8 @@ def same_program_mode(args) -> dict:
 MODES = {"after_failure": after_failure_mode, "stale_replay": stale_replay_mode, "misplaced_export": misplaced_export_mode, "reuse_cycles": reuse_cycles_mode, "dies_preparing": dies_preparing_mode,
          "capacity_edge": capacity_edge_mode, "loops": loops_mode, "same_program": same_program_mode, "drop_in": drop_in_mode, "all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
          "never_joins": never_joins_mode, "close_twice": close_twice_mode, "throwaway": throwaway_mode,
-         "exit_pending": exit_pending_mode, "close_after_peer_died": close_after_peer_died_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,
+         "exit_pending": exit_pending_mode, "close_after_peer_died": close_after_peer_died_mode,
+         "elsewhere": elsewhere_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,
          "residual_rmsnorm": residual_rmsnorm_mode, "never_calls": never_calls_mode, "mismatch": mismatch_mode, "reprepare": reprepare_mode,
          "independent": independent_mode, "dispatch_order": dispatch_order_mode, "late_start": late_start_mode,
          "wrap": wrap_mode, "two_hosts": two_hosts_mode, "stale_shm": stale_shm_mode, "uneven": uneven_mode,

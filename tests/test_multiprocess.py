@@ -140,6 +140,16 @@ def test_a_process_that_dies_preparing_leaves_no_shared_memory_name(multiprocess
   assert survivor["left"] == [], survivor
 
 
+def test_a_timeout_names_the_step_the_missing_process_waits_in(multiprocess):
+  # Processes preparing different channels each blamed the other as if it
+  # were absent.
+  results = multiprocess("elsewhere", 2, "--setup-timeout", "2")
+  for me, r in enumerate(results):
+    other = ("target", "draft")[1 - me]
+    assert re.search(rf"process {1 - me} did not report \(its last: prepare/cpu/{other}/\S+ #1, step 'reusable'\)",
+                     r["message"]), r
+
+
 @pytest.mark.parametrize("processes", [2, 3])
 def test_a_process_that_never_joins_gives_the_others_the_timeout_error(multiprocess, processes):
   *waiting, _ = multiprocess("never_joins", processes, "--setup-timeout", "2")
@@ -306,7 +316,8 @@ def test_a_program_on_some_processes_only_times_out_naming_an_idle_one(multiproc
   assert results[2] == {"idle": True}, results
   for r in results[:2]:
     assert r["error"] == "CollectiveTimeoutError", r
-    assert re.search(r"timed out after 2 s in process [01]: process 2 did not report\. Tracing a call whose axis "
+    assert re.search(r"timed out after 2 s in process [01]: process 2 did not report \(its last: no b12x_jax step "
+                     r"yet\)\. Tracing a call whose axis "
                      r"may span processes is collective.*every process must trace the same program", r["message"]), r
 
 
