@@ -373,7 +373,9 @@ class Communicator(CallPolicy):
     alive and for the host backend's calls queued so far (each ends within
     its timeouts), so a failure of one of them is reported, not missed: a
     call that raised may have peers whose own timeout is still running.
-    Host calls still running after the bound are reported as such."""
+    Host calls still running after the bound are reported as such. Never
+    call it from a host callback inside a program: it would wait for that
+    program until its peers time out."""
     settle()
     messages = _native.pending_errors()
     if messages:
