@@ -434,9 +434,10 @@ class Communicator(CallPolicy):
   def close(self) -> None:
     """Releases every channel, in sorted name order (collective where shared
     between processes: every process calls it). Harmless to call twice.
-    Once a release times out, the rest wait for no peer (one that did not
-    come to the first will not come to the next): a dead peer costs one
-    ``setup_timeout_s``, not one per channel."""
+    Once a release times out, the rest wait for no peer: a dead peer costs
+    one ``setup_timeout_s``, not one per channel (a live peer of a later
+    release still finds this process's word and releases; this process
+    raises the first error)."""
     with self._lock:
       errors = []
       timeout_s = self.setup_timeout_s

@@ -6,7 +6,6 @@ it reads only the settings the Communicator was made with."""
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from typing import Literal
 
@@ -43,12 +42,6 @@ class Decision:
   kernel: Literal["ffi", "triton"] | None = None
 
 
-def _fewest_devices_of_a_process() -> int:
-  """The fewest devices any process holds: an axis of more devices may
-  span processes, wherever it lies (processes may hold different numbers)."""
-  return min(collections.Counter(d.process_index for d in jax.devices()).values())
-
-
 class CallPolicy:
   """The per-call decision of a Communicator, from its settings: ``policy``,
   ``capacity_bytes``, ``kernels`` (set by Communicator.__init__). Keeps
@@ -60,7 +53,7 @@ class CallPolicy:
   decisions: list[Decision]
 
   def _agree(self, channel: str) -> None:
-    """Before a call whose group spans processes takes a path: every
+    """Before a call whose group may span processes takes a path: every
     process's settings agree (the Communicator's, across processes)."""
 
   # -- the per-call decision (DESIGN C12) ------------------------------------
@@ -83,7 +76,11 @@ class CallPolicy:
     says it is faster); ``detail`` is added to the reason of a b12x path,
     and so is ``kernel`` (choose_kernel's kind and why), whose kind the
     decision records."""
-    if axis_size > _fewest_devices_of_a_process():  # the group may span processes, whichever path each takes
+    # Whether the group spans processes is not known while tracing (an axis
+    # of 2 may pair devices of two processes however many each holds): with
+    # several processes, every group of more than one device agrees,
+    # whichever path each process takes.
+    if axis_size > 1 and jax.process_count() > 1:
       self._agree(channel)
     name = np.dtype(dtype).name
     staged = nbytes if staged_bytes is None else staged_bytes

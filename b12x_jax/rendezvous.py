@@ -108,8 +108,29 @@ def agree(channel: str, settings: Settings, processes: Sequence[int], timeout_s:
   CollectiveTimeoutError. The n-th agreement on a channel in every process
   is one session: every process traces the same program."""
   session = Session(f"agree/{channel}", processes, timeout_s, _AGREE_ADVICE)
-  words = session.gather("settings", json.dumps(dataclasses.asdict(settings)).encode())
-  check_agreement(channel, {p: Settings(**json.loads(w)) for p, w in words.items()})
+  words = session.gather("settings", json.dumps({"build": build_id(),
+                                                 "settings": dataclasses.asdict(settings)}).encode())
+  peers = {}
+  for p, word in words.items():
+    try:
+      peers[p] = json.loads(word)
+      peers[p]["settings"] = Settings(**peers[p]["settings"])
+    except (ValueError, KeyError, TypeError):
+      raise ChannelError(f"b12x_jax: channel {channel!r}: process {p} published settings this build of b12x_jax "
+                         f"({build_id()}) cannot read; install the same b12x_jax build in every process") from None
+  check_builds(channel, {p: peer["build"] for p, peer in peers.items()})
+  check_agreement(channel, {p: peer["settings"] for p, peer in peers.items()})
+
+
+def check_builds(channel: str, builds: dict[int, str]) -> None:
+  """Raises ChannelError naming two processes (process -> build_id) whose
+  builds differ: two builds may lay out or read a channel's memory
+  differently. Every process that checks the same table raises the same."""
+  first, *rest = sorted(builds.items())
+  for p, build in rest:
+    if build != first[1]:
+      raise ChannelError(f"b12x_jax: channel {channel!r}: process {first[0]} runs {first[1]}, process {p} runs "
+                         f"{build}; install the same b12x_jax build in every process")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,10 +186,7 @@ class Frame:
     identity next, then the settings (naming both processes and both
     values, and the fix).
     The layout, which the host's devices may change, is ``check_layout``'s."""
-    if peer.build != self.build:
-      raise ChannelError(f"b12x_jax: channel {self.channel!r}: process {peer.process} (rank {rank}) runs "
-                         f"{peer.build}, process {self.process} (rank {self.rank}) runs {self.build}; install the "
-                         "same b12x_jax build in every process")
+    check_builds(self.channel, {self.process: self.build, peer.process: peer.build})
     for field, want, got in [("rank", rank, peer.rank), ("platform", self.platform, peer.platform),
                              ("channel", self.channel, peer.channel), ("world", self.world, peer.world)]:
       if want != got:
@@ -236,15 +254,18 @@ class Session:
     process's (process -> word), waiting at most the timeout for all. A
     process that does not report is named with the last step it waited in."""
     self.publish(f"{step}/p{self.me}", word)
-    _compat.kv_set_bytes(f"{_LAST_STEP}/p{self.me}", f"{self.what} #{self.prefix.rsplit('/', 1)[1]}, step "
-                         f"{step!r}".encode(), overwrite=True)
+    try:  # only for the diagnosis of a timeout: never fails the step
+      _compat.kv_set_bytes(f"{_LAST_STEP}/p{self.me}", f"{self.what} #{self.prefix.rsplit('/', 1)[1]}, step "
+                           f"{step!r}".encode(), overwrite=True)
+    except RuntimeError:
+      pass
     words = {}
     for p in self.processes:
       words[p] = _compat.kv_get_bytes(f"{self.prefix}/{step}/p{p}", self._remaining(step))
       if words[p] is None:
         last = _compat.kv_try_get_bytes(f"{_LAST_STEP}/p{p}")
-        where = "no b12x_jax step yet" if last is None else last.decode()
-        raise self._timeout(step, f"process {p} did not report (its last: {where})")
+        where = "none yet" if last is None else last.decode()
+        raise self._timeout(step, f"process {p} did not report (the last b12x_jax step it entered: {where})")
     return words
 
   def verdict(self, step: str, problem: BaseException | None) -> None:
@@ -414,10 +435,11 @@ def publish_records(preparation: str, kind: str, records: dict[int, bytes]) -> N
 
 def fetch_records(preparation: str, kind: str, ranks: Sequence[int], timeout_s: float) -> dict[int, bytes]:
   """The records of ``kind`` that the processes of ``ranks`` published for
-  ``preparation``, waiting up to ``timeout_s`` for each."""
+  ``preparation``, waiting up to ``timeout_s`` for all."""
   out = {}
+  deadline = time.monotonic() + timeout_s
   for rank in ranks:
-    record = _compat.kv_get_bytes(f"{preparation}/{kind}/{rank}", timeout_s)
+    record = _compat.kv_get_bytes(f"{preparation}/{kind}/{rank}", max(0.0, deadline - time.monotonic()))
     if record is None:
       raise CollectiveTimeoutError(
           f"b12x_jax: {preparation}: rank {rank}'s {kind} was not published within {timeout_s:g} s: its process "

@@ -36,7 +36,8 @@ inline constexpr int kLamportBuffers = 3;
 // (b12x_jax/rendezvous.py, Frame): the layouts of this file and the
 // constants of the exchanges are compared without help (bindings.cc,
 // protocol_fingerprint), but a change of meaning with the same layout (what
-// a word holds, the order of a call's steps, an encoding) must bump this.
+// a word holds, the order of a call's steps, an encoding), here or in the
+// Triton kernels (b12x_jax/kernels), must bump this.
 inline constexpr uint32_t kProtocolRevision = 1;
 
 // What one call is, announced with it and checked by every peer (DESIGN.md,

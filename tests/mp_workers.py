@@ -972,6 +972,36 @@ def uneven_mode(args) -> dict:
   return {"error": None, "path": b12x_jax.get_communicator().decisions[-1].path}
 
 
+def crossed_mode(args) -> dict:
+  """Every process holds 2 devices; axis "x" pairs device i of process 0
+  with device i of process 1: it spans processes though no longer than a
+  process's devices. Runs all_reduce over "x" on fresh values with this
+  process's ``--communicators`` entry; returns the error, or the path after
+  checking the sums against float64."""
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  local = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in range(2)]
+  mesh = Mesh(np.array(local).T, ("a", "x"))
+  b12x_jax.set_communicator(_communicator(args, **json.loads(args.communicators)[jax.process_index()]))
+  values = np.random.default_rng(11).standard_normal((2, 2, 256)).astype(np.float32)
+  x = jax.make_array_from_callback(values.shape, NamedSharding(mesh, P("a", "x")), lambda index: values[index])
+  fn = jax.jit(jax.shard_map(lambda v: b12x_jax.all_reduce(v, "x"), mesh=mesh, in_specs=P("a", "x"),
+                             out_specs=P("a")))
+  try:
+    with b12x_jax.channel("crossed"):
+      out = fn(x)
+      for shard in out.addressable_shards:
+        want = values.astype(np.float64).sum(1, keepdims=True)[shard.index]
+        np.testing.assert_allclose(np.asarray(shard.data), want, rtol=1e-6, atol=1e-5)
+  except b12x_jax.B12xError as e:
+    return {"error": type(e).__name__, "message": str(e)}
+  return {"error": None, "path": b12x_jax.get_communicator().decisions[-1].path}
+
+
 def stale_shm_mode(args) -> dict:
   """Before its first preparation each process leaves shared-memory names
   of its own pid behind, as a process that died with them would have (a pid
@@ -1345,7 +1375,7 @@ MODES = {"after_failure": after_failure_mode, "stale_replay": stale_replay_mode,
          "elsewhere": elsewhere_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,
          "residual_rmsnorm": residual_rmsnorm_mode, "never_calls": never_calls_mode, "mismatch": mismatch_mode, "reprepare": reprepare_mode,
          "independent": independent_mode, "dispatch_order": dispatch_order_mode, "late_start": late_start_mode,
-         "wrap": wrap_mode, "two_hosts": two_hosts_mode, "stale_shm": stale_shm_mode, "uneven": uneven_mode,
+         "wrap": wrap_mode, "two_hosts": two_hosts_mode, "stale_shm": stale_shm_mode, "uneven": uneven_mode, "crossed": crossed_mode,
          "triton": triton_mode}
 
 

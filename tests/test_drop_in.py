@@ -160,14 +160,16 @@ def _pytree_shards(rng, n: int) -> dict:
 @pytest.mark.parametrize("x", [1, 2.5, np.float32(2.0), (3, np.arange(3)), {"a": np.int8(3)}])
 def test_constants_sum_while_tracing_into_what_psum_gives(cpu_mesh, x):
   # psum(1, axis) is the axis size as a static int (a shape, a loop bound);
-  # all_reduce gave a traced array that no shape could take.
+  # all_reduce gave a traced array that no shape could take. psum decides
+  # leaf by leaf, so a constant beside a traced leaf stays static too.
   mesh = cpu_mesh(2)
   def body(y):
     ours, theirs = jax.tree.leaves(b12x_jax.all_reduce(x, "x")), jax.tree.leaves(jax.lax.psum(x, "x"))
     assert [type(a) for a in ours] == [type(b) for b in theirs], (ours, theirs)
     for a, b in zip(ours, theirs):
       np.testing.assert_array_equal(a, b)
-    return y.reshape(b12x_jax.all_reduce(1, "x"), -1).sum(0)
+    size, total = b12x_jax.all_reduce((1, y.sum()), "x")
+    return y.reshape(size, -1).sum(0) + 0 * total
   fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
   with b12x_jax.channel("constants"):
     got = fn(jax.device_put(np.arange(8, dtype=np.float32), NamedSharding(mesh, P("x"))))

@@ -75,24 +75,28 @@ def all_reduce(x, axis_name, *, axis_index_groups=None, channel: str | None = No
   if not leaves:
     return x  # an empty pytree, as psum returns it
   checked = [_check_operand(leaf) for leaf in leaves]
-  if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+  results: list = [None] * len(leaves)
+  traced = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.core.Tracer)]
+  if len(traced) < len(leaves):
     # Values every device holds alike (psum(1, axis), the axis size): psum
     # sums them while tracing, with no collective, into static values.
     for axis in axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,):
       axis_size(axis, _OP)
-    return jax.lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
-  leaves = checked
-  results: list = [None] * len(leaves)
-  for pack in _packs(leaves, axis_name, axis_index_groups):
+    for i in set(range(len(leaves))) - set(traced):
+      results[i] = jax.lax.psum(leaves[i], axis_name, axis_index_groups=axis_index_groups)
+  operands = [checked[i] for i in traced]
+  for pack in _packs(operands, axis_name, axis_index_groups):
     if len(pack) == 1:
-      results[pack[0]] = _all_reduce_leaf(leaves[pack[0]], axis_name, axis_index_groups, channel)
+      results[traced[pack[0]]] = _all_reduce_leaf(operands[pack[0]], axis_name, axis_index_groups, channel)
     else:
-      for i, result in zip(pack, _all_reduce_packed([leaves[i] for i in pack], axis_name, channel)):
-        results[i] = result
+      for i, result in zip(pack, _all_reduce_packed([operands[i] for i in pack], axis_name, channel)):
+        results[traced[i]] = result
   # Weak types as psum's (a pack is strong, a call keeps its operand's):
   # downstream dtype promotion must not differ from psum's.
-  like_psum = jax.eval_shape(lambda t: jax.lax.psum(t, axis_name, axis_index_groups=axis_index_groups), leaves)
-  return tree.unflatten([_compat.with_weak_type(r, p.weak_type) for r, p in zip(results, like_psum)])
+  like_psum = jax.eval_shape(lambda t: jax.lax.psum(t, axis_name, axis_index_groups=axis_index_groups), operands)
+  for i, aval in zip(traced, like_psum):
+    results[i] = _compat.with_weak_type(results[i], aval.weak_type)
+  return tree.unflatten(results)
 
 
 def _packs(leaves: list[jax.Array], axis_name, axis_index_groups) -> list[list[int]]:
