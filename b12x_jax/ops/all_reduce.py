@@ -50,9 +50,10 @@ def all_reduce(x, axis_name, *, axis_index_groups=None, channel: str | None = No
   whose total fits the Lamport window (``lamport_bytes``) are packed into
   one call, padded to a multiple of 16 bytes (so a leaf that is not one
   runs on b12x too); each leaf gets the bits a b12x call of its own would
-  give. The other leaves are a call each. An ``x`` with no traced leaf
-  (numbers, NumPy arrays) is summed while tracing, as psum sums it, into
-  static values: ``all_reduce(1, axis)`` is the axis size, an int.
+  give. The other leaves are a call each. Leaves no device traces
+  (numbers, NumPy arrays) are summed while tracing, leaf by leaf as psum
+  sums them, into static values: ``all_reduce(1, axis)`` is the axis size,
+  an int.
   ``axis_name`` a name or a tuple of names, and ``axis_index_groups`` what
   psum takes. The b12x path takes
   one shard_map mesh axis without groups, float32/bfloat16/float16 payloads
@@ -77,12 +78,13 @@ def all_reduce(x, axis_name, *, axis_index_groups=None, channel: str | None = No
   checked = [_check_operand(leaf) for leaf in leaves]
   results: list = [None] * len(leaves)
   traced = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.core.Tracer)]
-  if len(traced) < len(leaves):
+  constants = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, jax.core.Tracer)]
+  if constants:
     # Values every device holds alike (psum(1, axis), the axis size): psum
     # sums them while tracing, with no collective, into static values.
     for axis in axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,):
       axis_size(axis, _OP)
-    for i in set(range(len(leaves))) - set(traced):
+    for i in constants:
       results[i] = jax.lax.psum(leaves[i], axis_name, axis_index_groups=axis_index_groups)
   operands = [checked[i] for i in traced]
   for pack in _packs(operands, axis_name, axis_index_groups):
@@ -92,10 +94,12 @@ def all_reduce(x, axis_name, *, axis_index_groups=None, channel: str | None = No
       for i, result in zip(pack, _all_reduce_packed([operands[i] for i in pack], axis_name, channel)):
         results[traced[i]] = result
   # Weak types as psum's (a pack is strong, a call keeps its operand's):
-  # downstream dtype promotion must not differ from psum's.
-  like_psum = jax.eval_shape(lambda t: jax.lax.psum(t, axis_name, axis_index_groups=axis_index_groups), operands)
-  for i, aval in zip(traced, like_psum):
-    results[i] = _compat.with_weak_type(results[i], aval.weak_type)
+  # downstream dtype promotion must not differ from psum's. Only a weak
+  # operand can have a weak sum, so the common case traces no psum.
+  if any(jax.typeof(operand).weak_type for operand in operands):
+    like_psum = jax.eval_shape(lambda t: jax.lax.psum(t, axis_name, axis_index_groups=axis_index_groups), operands)
+    for i, aval in zip(traced, like_psum):
+      results[i] = _compat.with_weak_type(results[i], aval.weak_type)
   return tree.unflatten(results)
 
 
