@@ -410,7 +410,8 @@ def _assert_one_thread_per_polled_element(warps: int, asms: list) -> None:
   polled = {triton.exchange._LOAD, triton.exchange._LOAD_IF, triton.exchange._CLOCK, triton.exchange._LOAD_ACQUIRE, triton.exchange._ARRIVE}
   shapes = {shape for code, shape in asms if code in polled}
   assert shapes and all(len(shape) == 1 and shape[0] >= 32 * warps for shape in shapes), (warps, shapes)
-  assert {code for code, _ in asms} <= polled | {triton.exchange._LOAD_ARRIVED, triton.exchange._LOAD_OWN, triton.exchange._STORE} | {
+  assert {code for code, _ in asms} <= polled | {triton.exchange._LOAD_ARRIVED, triton.exchange._LOAD_OWN, triton.exchange._STORE,
+                                              triton.exchange._ROUND_PAIR} | {
       code for code, _ in asms if "global.cas" in code}
   # Only the block's own Signal words (no one else writes them while it runs), once each, may be one element.
   assert sum(code == triton.exchange._LOAD_OWN for code, _ in asms) == len(triton.exchange.OWN_WORDS), asms

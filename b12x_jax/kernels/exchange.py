@@ -104,7 +104,7 @@ class Plan:
 
 
 # The dtypes the kernel sums, and the NaN each leaves in a 32-bit word where
-# a call fails: float32's, and a pair of bfloat16's (the NaN _bfloat16_bits
+# a call fails: float32's, and a pair of bfloat16's (the NaN _ROUND_PAIR
 # rounds a NaN to, as __float2bfloat16_rn). The FFI kernels leave all ones:
 # other bits, NaN in every dtype as well.
 NAN_WORDS = {"float32": 0x7FC00000, "bfloat16": 0x7FFF7FFF}
@@ -233,20 +233,18 @@ def _record_asm(error_offsets: dict, poisoned_offset: int, complete: int) -> str
           "mov.u32 $0, 0; }")  # 0, as every store's result: it joins the advance's chain
 
 
+# Two float32 (low half $1, high half $2) rounded to one word of two
+# bfloat16 by the instruction CUDA's __float2bfloat16_rn is on sm_80 and
+# later (numeric.h f32_to_bf16): to nearest, ties to even, a NaN to 0x7FFF;
+# the same bits as the FFI kernels by construction.
+_ROUND_PAIR = "cvt.rn.bf16x2.f32 $0, $2, $1;"
+
+
 def halves(words: jax.Array) -> tuple[jax.Array, jax.Array]:
   """The two bfloat16 values of each 32-bit word (low half first, as they
   sit in memory), exactly, as float32: a bfloat16 is a float32's high half."""
   to_f32 = lambda w: jax.lax.bitcast_convert_type(w, jnp.float32)  # noqa: E731
   return to_f32(jax.lax.shift_left(words, jnp.int32(16))), to_f32(words & jnp.int32(-65536))
-
-
-def _bfloat16_bits(f: jax.Array) -> jax.Array:
-  """The bfloat16 bits (in the low 16 of an int32) nearest float32 ``f``,
-  ties to even, as CUDA's __float2bfloat16_rn (NaN: 0x7FFF)."""
-  bits = jax.lax.bitcast_convert_type(f, U32)
-  lsb = jax.lax.shift_right_logical(bits, jnp.int32(16)) & 1
-  rounded = jax.lax.shift_right_logical(bits + (0x7FFF + lsb), jnp.int32(16)) & 0xFFFF
-  return jnp.where(f != f, jnp.int32(0x7FFF), rounded)
 
 
 def _flat_iota(shape: tuple[int, ...]) -> jax.Array:
@@ -669,7 +667,11 @@ def to_words(values: tuple[jax.Array, ...], dtype: str) -> jax.Array:
   """float32 ``values`` rounded once to ``dtype``, as 32-bit words."""
   if dtype == "float32":
     return jax.lax.bitcast_convert_type(values[0], U32)
-  return _bfloat16_bits(values[0]) | jax.lax.shift_left(_bfloat16_bits(values[1]), jnp.int32(16))
+  from jax.experimental.pallas import triton as plt
+  low, high = (jax.lax.bitcast_convert_type(v, U32) for v in values)
+  (words,) = plt.elementwise_inline_asm(_ROUND_PAIR, args=[low, high], constraints="=r,r,r", pack=1,
+                                        result_shape_dtypes=[jax.ShapeDtypeStruct(low.shape, U32)])
+  return words
 
 
 def with_own(plan: Plan, rank: jax.Array, mine: list, cells: list) -> list:

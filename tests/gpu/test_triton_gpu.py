@@ -2,7 +2,8 @@
 "Loopback", "Triton kernels"; marked gpu, skipped without a GPU): a group
 of one whose peer is itself runs the kernel's whole protocol. Its result is
 its input, bit for bit, at every power-of-two size of the Lamport window,
-float32 and bfloat16, with poisoned outputs; Triton and FFI calls interleave on one channel; the
+float32 and bfloat16, with poisoned outputs; the kernels round to
+bfloat16 as CUDA does; Triton and FFI calls interleave on one channel; the
 kernel is right across the counter wrap; and an executable lowered before
 a release never runs on the channel's memory afterwards: NaN outputs and an
 error from check_errors, after the release and after the next preparation;
@@ -54,6 +55,35 @@ def test_every_size_comes_back_bit_for_bit_with_poisoned_outputs(dtype):
     assert {d.kernel for d in comm.decisions} == {"triton"}, comm.decisions
     assert comm.stats("sizes", mesh.devices.flat[0])["epoch"] == 3 * len(SIZES)
     comm.check_errors()
+
+
+def _cuda_bfloat16_bits(f: np.ndarray) -> np.ndarray:
+  """__float2bfloat16_rn of float32 ``f`` on the host: to nearest, ties to even, every NaN 0x7FFF."""
+  bits = f.view(np.uint32).astype(np.uint64)
+  rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+  return np.where(np.isnan(f), 0x7FFF, rounded).astype(np.uint32)
+
+
+def test_the_kernels_round_to_bfloat16_as_cuda_does():
+  # Every bfloat16 output of the Triton kernels goes through to_words: ties
+  # both ways, the largest finite value's carry into infinity, subnormals,
+  # NaNs with any payload, and random words, in both halves of a word.
+  from jax.experimental import pallas as pl
+
+  from b12x_jax.kernels.exchange import to_words
+  rng = np.random.default_rng(5)
+  edge = np.array([0x3F808000, 0x3F818000, 0x3F808001, 0x3F817FFF, 0x7F7FFFFF, 0x7F7F8000, 0xFF7F8000, 0x7F800000,
+                   0xFF800000, 0x7FC00000, 0xFFFFFFFF, 0x7F800001, 0x00000001, 0x00018000, 0x80008000, 0x80000000,
+                   0x00000000, 0x7F7F7FFF], np.uint32)
+  low = np.concatenate([edge, rng.integers(0, 1 << 32, 4096 - edge.size, dtype=np.uint32)])
+  high = np.concatenate([edge[::-1], rng.integers(0, 1 << 32, 4096 - edge.size, dtype=np.uint32)])
+  low_f, high_f = low.view(np.float32), high.view(np.float32)
+
+  def kernel(low_ref, high_ref, out_ref):
+    out_ref[...] = to_words((low_ref[...], high_ref[...]), "bfloat16")
+  got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((low.size,), jnp.int32))(low_f, high_f)
+  want = _cuda_bfloat16_bits(low_f) | (_cuda_bfloat16_bits(high_f) << 16)
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want)
 
 
 def test_triton_and_ffi_calls_interleave_on_one_channel():
