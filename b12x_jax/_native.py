@@ -58,6 +58,7 @@ _check_ffi_api()
 MAX_RANKS: int = _b12x.constants["max_ranks"]
 MAX_BLOCKS: int = _b12x.constants["max_blocks"]
 PACK_BYTES: int = _b12x.constants["pack_bytes"]
+MAX_CAPACITY_BYTES: int = _b12x.constants["max_capacity_bytes"]
 ALGORITHMS: dict[str, int] = dict(_b12x.constants["algorithms"])
 # The protocol this build speaks, as one word (ffi/bindings.cc protocol_fingerprint).
 PROTOCOL: int = _b12x.protocol

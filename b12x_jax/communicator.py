@@ -68,7 +68,8 @@ class Communicator(CallPolicy):
   """The channels of this process and the rules for using them.
 
   Args:
-    capacity_bytes: staging capacity of one call (per slot), default 8 MiB.
+    capacity_bytes: staging capacity of one call (per slot), default 8 MiB,
+      at most 1 GiB.
       Larger payloads take the psum path (policy "auto") or raise ("strict").
     timeout_s: bound on every wait for a peer (DESIGN C8), default 10 s.
     policy: "auto" falls back to psum outside the b12x window, "strict"
@@ -124,8 +125,10 @@ class Communicator(CallPolicy):
                policy: Policy | None = None, max_blocks: int | None = None, lamport_bytes: int = 1 * MiB,
                poison_outputs: bool = False, setup_timeout_s: float = 60.0, algorithm: Algorithm = "auto",
                loopback: bool = False, kernels: Kernels = "ffi"):
-    if not _is_int(capacity_bytes) or capacity_bytes < PACK_BYTES or capacity_bytes % PACK_BYTES:
-      raise ValueError(f"Communicator: capacity_bytes must be a positive multiple of 16, got {capacity_bytes!r}")
+    if (not _is_int(capacity_bytes) or capacity_bytes < PACK_BYTES or capacity_bytes % PACK_BYTES
+        or capacity_bytes > _native.MAX_CAPACITY_BYTES):
+      raise ValueError(f"Communicator: capacity_bytes must be a positive multiple of 16 up to "
+                       f"{_native.MAX_CAPACITY_BYTES} (1 GiB; larger payloads take psum), got {capacity_bytes!r}")
     for setting, value in (("timeout_s", timeout_s), ("setup_timeout_s", setup_timeout_s)):
       if not _is_number(value) or not 0 < value <= _MAX_TIMEOUT_S:
         raise ValueError(f"Communicator: {setting} must be a number of seconds > 0 and at most {_MAX_TIMEOUT_S:g} "
@@ -145,8 +148,9 @@ class Communicator(CallPolicy):
       raise ValueError(f"Communicator: lamport_bytes must be a non-negative multiple of 16, got {lamport_bytes!r}")
     if kernels not in _KERNELS:
       raise ValueError(f"Communicator: kernels must be one of {_KERNELS}, got {kernels!r}")
-    if not isinstance(loopback, bool):
-      raise TypeError(f"Communicator: loopback must be True or False, got {loopback!r}")
+    for setting, value in (("loopback", loopback), ("poison_outputs", poison_outputs)):
+      if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"Communicator: {setting} must be True or False, got {value!r}")
     self.capacity_bytes = int(capacity_bytes)
     self.lamport_bytes = int(lamport_bytes)
     self.poison_outputs = bool(poison_outputs)
@@ -155,7 +159,7 @@ class Communicator(CallPolicy):
     self.policy: Policy = policy
     self.max_blocks = None if max_blocks is None else int(max_blocks)
     self.algorithm: Algorithm = algorithm
-    self.loopback = loopback
+    self.loopback = bool(loopback)
     self.kernels: Kernels = kernels
     self.decisions: list[Decision] = []  # the last MAX_DECISIONS traced calls, oldest first
     self._lock = threading.RLock()
@@ -225,7 +229,13 @@ class Communicator(CallPolicy):
     if isinstance(channels, str):
       raise TypeError(f"Communicator.prepare: channels must be a list of channel names, got the string "
                       f"{channels!r}; write channels=[{channels!r}]")
+    if not isinstance(channels, Iterable):
+      raise TypeError(f"Communicator.prepare: channels must be a list of channel names, got {channels!r}")
     names = sorted({validate_channel_name(c, "Communicator.prepare(channels=...)") for c in channels})
+    if mesh.shape[axis_name] > _native.MAX_RANKS:
+      raise ValueError(f"Communicator.prepare: axis {axis_name!r} has {mesh.shape[axis_name]} devices; a channel "
+                       f"serves at most {_native.MAX_RANKS} (one host's GPUs), and calls over a larger axis take "
+                       f"psum: prepare an axis of at most {_native.MAX_RANKS} devices")
     # What a module from jax.export.deserialize needs besides the memory: the
     # FFI targets (its b12x calls are not lowered here).
     _native.ensure_registered()

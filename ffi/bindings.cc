@@ -199,6 +199,7 @@ NB_MODULE(_b12x, m) {
   constants["max_ranks"] = kMaxRanks;
   constants["max_blocks"] = kMaxBlocks;
   constants["pack_bytes"] = kPackBytes;
+  constants["max_capacity_bytes"] = kMaxCapacityBytes;
   constants["algorithms"] = algorithms;
   m.attr("constants") = constants;
   m.attr("protocol") = protocol_fingerprint();

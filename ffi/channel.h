@@ -28,6 +28,10 @@ inline constexpr int kMaxRanks = 8;
 inline constexpr int kMaxBlocks = 64;
 // Staging and payload granularity: one 16-byte vector per thread per step.
 inline constexpr size_t kPackBytes = 16;
+// Largest capacity_bytes of a channel: a rank's staging is kStagingSlots x
+// world x this (16 GiB at 8 ranks), and no size computed from it nears
+// size_t's wrap.
+inline constexpr size_t kMaxCapacityBytes = size_t{1} << 30;
 // Slots of the barrier protocol's staging (protocol.h) and buffers of the
 // Lamport exchange (lamport.h): each argues its own reuse.
 inline constexpr int kStagingSlots = 2;

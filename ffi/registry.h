@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -56,9 +57,20 @@ inline constexpr int kRemoteRank = -1;
 // process, since executables and CUDA graphs keep its pointers (DESIGN C16).
 class ChannelGroup {
  public:
+  // Throws std::invalid_argument, before a transport allocates anything,
+  // for a group its per-rank arrays (kMaxRanks) or sizes cannot hold.
   ChannelGroup(std::string channel, Platform platform, std::vector<int> ordinals, ChannelOptions options)
       : channel_(std::move(channel)), platform_(platform), ordinals_(std::move(ordinals)),
-        options_(options) {}
+        options_(options) {
+    if (ordinals_.empty() || ordinals_.size() > static_cast<size_t>(kMaxRanks)) {
+      throw std::invalid_argument("a channel group has 1 to " + std::to_string(kMaxRanks) + " ranks, got " +
+                                  std::to_string(ordinals_.size()));
+    }
+    if (options_.capacity_bytes > kMaxCapacityBytes) {
+      throw std::invalid_argument("capacity_bytes is at most " + std::to_string(kMaxCapacityBytes) + ", got " +
+                                  std::to_string(options_.capacity_bytes));
+    }
+  }
   virtual ~ChannelGroup() = default;
 
   const std::string& channel() const { return channel_; }

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import b12x_jax
+from conftest import run_worker
 from helpers import (DTYPES, RTOL, assert_merge_matches, assert_sum_matches, attention_shards, fresh_communicator,
                      installed, put_sharded, random_shards)
 
@@ -210,6 +211,31 @@ def test_an_axis_that_is_not_one_bound_mesh_axis_name_is_a_clear_error(cpu_mesh,
     else:
       _trace_dcp(mesh, (2, 4, 64), jnp.bfloat16, (2, 4), jnp.float32, axis=axis)
   _assert_names(str(info.value), f"b12x_jax.{op}", what, fix=r"shard_map" if error is ValueError else r"a str")
+  _assert_still_usable(mesh)
+
+
+def test_an_axis_named_twice_is_a_clear_error(cpu_mesh):
+  # XLA aborted the process (psum too: "axes overlap")
+  mesh = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices("cpu")[:4])
+  for axes in (("x", "x"), ["y", "x", "y"]):
+    with pytest.raises(ValueError) as info:
+      jax.jit(jax.shard_map(lambda v, axes=axes: b12x_jax.all_reduce(v, axes), mesh=mesh, in_specs=P("x", "y"),
+                            out_specs=P())).trace(jax.ShapeDtypeStruct((4, 4), jnp.float32,
+                                                                       sharding=NamedSharding(mesh, P("x", "y"))))
+    _assert_names(str(info.value), "b12x_jax.all_reduce", rf"axis_name {re.escape(repr(axes))} names an axis twice",
+                  fix="name each axis once")
+  _assert_still_usable(cpu_mesh(2))
+
+
+@pytest.mark.parametrize("bad", ["", "a b", 5])
+def test_a_bad_channel_argument_of_a_sum_of_constants_is_a_clear_error(cpu_mesh, bad):
+  # psum sums constants while tracing, with no channel; the name was not checked
+  mesh = cpu_mesh(2)
+  with pytest.raises(b12x_jax.ChannelError) as info:
+    jax.jit(jax.shard_map(lambda v: v + b12x_jax.all_reduce(1.0, "x", channel=bad), mesh=mesh, in_specs=P("x"),
+                          out_specs=P("x"))).trace(jax.ShapeDtypeStruct((4,), jnp.float32,
+                                                                    sharding=NamedSharding(mesh, P("x"))))
+  _assert_names(str(info.value), "b12x_jax.all_reduce(channel=...)", r"channel name must be 1-64 characters")
   _assert_still_usable(mesh)
 
 
@@ -578,7 +604,8 @@ def test_an_exception_inside_a_scope_restores_the_enclosing_channel(cpu_mesh):
 
 @pytest.mark.parametrize("setting, value", [
     ("capacity_bytes", 0), ("capacity_bytes", -16), ("capacity_bytes", 8), ("capacity_bytes", 4096.0),
-    ("capacity_bytes", "4096"), ("capacity_bytes", None),
+    ("capacity_bytes", "4096"), ("capacity_bytes", None), ("capacity_bytes", (1 << 30) + 16),
+    ("capacity_bytes", 1 << 62),  # it was accepted: the staging size wrapped to 0 and the first call crashed
     ("timeout_s", -1), ("timeout_s", float("nan")), ("setup_timeout_s", 0), ("setup_timeout_s", -5.0),
     ("policy", "AUTO"), ("policy", "all_to_all"), ("policy", 0),
     ("max_blocks", 0), ("max_blocks", 65), ("max_blocks", -1),
@@ -616,6 +643,17 @@ def test_a_setting_of_the_wrong_type_is_a_clear_error(cpu_mesh, setting, value, 
   _accepted_or_rejected_clearly(cpu_mesh(2), setting, value)
 
 
+@pytest.mark.parametrize("setting", ["poison_outputs", "loopback"])
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_a_switch_that_is_not_a_bool_is_a_clear_error(cpu_mesh, setting, value):
+  # poison_outputs="no" was stored as True
+  with pytest.raises(TypeError) as info:
+    b12x_jax.Communicator(**{setting: value})
+  _assert_names(str(info.value), "Communicator", rf"\b{setting} must be True or False")
+  assert repr(value) in str(info.value)
+  _assert_still_usable(cpu_mesh(2))
+
+
 @pytest.mark.parametrize("timeout", [float("inf"), 1e30])
 def test_an_unbounded_timeout_waits_or_is_rejected(cpu_mesh, timeout):
   _accepted_or_rejected_clearly(cpu_mesh(2), "timeout_s", timeout)
@@ -650,6 +688,21 @@ def test_prepare_with_one_channel_name_as_a_string_prepares_that_channel_or_is_a
       _assert_names(str(e), "Communicator.prepare", r"channels")
     else:
       assert sorted(comm.prepared_channels()) == ["target"], comm.prepared_channels()
+
+
+def test_an_axis_wider_than_a_channel_is_a_clear_error_to_prepare_and_psum_to_call():
+  # prepare wrote the ranks past 8 over the end of the group's arrays and said nothing
+  result = run_worker("wide", "--devices", "9", hard_timeout=180)
+  errors = result["errors"]
+  assert re.fullmatch(r"ValueError: Communicator.prepare: axis 'x' has 9 devices; a channel serves at most 8 .*"
+                      r"prepare an axis of at most 8 devices", errors["prepare"]), errors
+  # The native layer refuses such a group and such a capacity by itself, before allocating.
+  assert errors["native_ranks"] == "ChannelError: a channel group has 1 to 8 ranks, got 9", errors
+  assert errors["native_capacity"] == f"ChannelError: capacity_bytes is at most {1 << 30}, got {2 << 30}", errors
+  assert {(op, path) for op, path, _ in result["decisions"]} == {("all_reduce", "psum"),
+                                                                 ("all_reduce_residual_rmsnorm", "psum")}, result
+  assert all("more than the 8 ranks" in reason for _, _, reason in result["decisions"]), result
+  assert result["error"] < 1e-4, result
 
 
 def test_prepare_with_a_device_list_instead_of_a_mesh_is_a_clear_error(cpu_mesh):

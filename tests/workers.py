@@ -447,10 +447,62 @@ def exit_busy_mode(args) -> dict:
   return {"dispatched": args.runs}
 
 
+def wide_mode(args) -> dict:
+  """An axis of ``devices`` (more than a channel's 8 ranks): prepare's
+  error; all_reduce and the fused op over it (psum, unfused), their
+  results and decisions; and the native layer's own refusal of such a
+  group and of a capacity above its limit, asked directly."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  from b12x_jax import _native
+  n = args.devices
+  mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+  comm = b12x_jax.get_communicator()
+  errors = {}
+  try:
+    comm.prepare(mesh, "x", channels=["wide"])
+  except Exception as e:  # noqa: BLE001 - the test reads the type and message
+    errors["prepare"] = f"{type(e).__name__}: {e}"
+  options = comm.native_options()
+  try:
+    _native.prepare("cpu", "wide-native", "p", list(range(n)), options)
+  except Exception as e:  # noqa: BLE001
+    errors["native_ranks"] = f"{type(e).__name__}: {e}"
+  try:
+    big = _native.channel_options(capacity_bytes=2 * _native.MAX_CAPACITY_BYTES, lamport_bytes=0, timeout_s=1.0,
+                                  setup_timeout_s=1.0, max_blocks=None, poison_outputs=False)
+    _native.prepare("cpu", "wide-native", "p", [0, 1], big)
+  except Exception as e:  # noqa: BLE001
+    errors["native_capacity"] = f"{type(e).__name__}: {e}"
+  rng = np.random.default_rng(args.seed)
+  x = rng.standard_normal((n, 8, 64)).astype(np.float32)
+  residual = rng.standard_normal((8, 64)).astype(np.float32)
+  weight = rng.standard_normal(64).astype(np.float32)
+  body = lambda v, r, w: (b12x_jax.all_reduce(v[0], "x"),  # noqa: E731
+                          *b12x_jax.all_reduce_residual_rmsnorm(v[0], r, w, "x", eps=1e-6))
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P()), out_specs=(P(), P(), P()),
+                             check_vma=False))
+  with b12x_jax.channel("wide"):
+    total, normed, new_residual = (np.asarray(a, np.float64) for a in fn(
+        jax.device_put(x, NamedSharding(mesh, P("x"))), residual, weight))
+  want = x.astype(np.float64).sum(axis=0)
+  want_residual = want + residual
+  want_normed = want_residual / np.sqrt((want_residual ** 2).mean(-1, keepdims=True) + 1e-6) * weight
+  return {"errors": errors,
+          "decisions": [(d.op, d.path, d.reason) for d in comm.decisions],
+          "error": max(float(np.abs(total - want).max()), float(np.abs(new_residual - want_residual).max()),
+                       float(np.abs(normed - want_normed).max()))}
+
+
 def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("mode", choices=["timeout", "graphs", "dcp", "torture", "cross", "race", "close_pending",
-                                      "mismatch", "protocols", "order", "exit_busy"])
+                                      "mismatch", "protocols", "order", "exit_busy", "wide"])
   parser.add_argument("--platform", default="cpu")
   parser.add_argument("--devices", type=int, default=2)
   parser.add_argument("--timeout", type=float, default=1.0)
@@ -469,7 +521,7 @@ def main() -> None:
   result = {"timeout": timeout_mode, "graphs": graphs_mode, "dcp": dcp_mode,
             "torture": torture_mode, "cross": cross_mode, "race": race_mode,
             "close_pending": close_pending_mode, "mismatch": mismatch_mode, "protocols": protocols_mode,
-            "order": order_mode, "exit_busy": exit_busy_mode}[args.mode](args)
+            "order": order_mode, "exit_busy": exit_busy_mode, "wide": wide_mode}[args.mode](args)
   print("RESULT " + json.dumps(result), flush=True)
 
 

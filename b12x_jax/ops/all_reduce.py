@@ -8,7 +8,7 @@ import numpy as np
 from jax.interpreters import ad
 
 from b12x_jax import _compat, _native, tuning
-from b12x_jax.channels import resolve_channel
+from b12x_jax.channels import resolve_channel, validate_channel_name
 from b12x_jax.communicator import get_communicator
 from b12x_jax.policy import PACK_BYTES
 from b12x_jax import kernels
@@ -75,6 +75,13 @@ def all_reduce(x, axis_name, *, axis_index_groups=None, channel: str | None = No
   leaves, tree = jax.tree.flatten(x)
   if not leaves:
     return x  # an empty pytree, as psum returns it
+  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  for axis in axes:
+    axis_size(axis, _OP)
+  if len(set(axes)) != len(axes):  # XLA aborts the process on such a sum
+    raise ValueError(f"b12x_jax.{_OP}: axis_name {axis_name!r} names an axis twice; name each axis once")
+  if channel is not None:  # constants take no channel, but a bad name is an error wherever it is passed
+    validate_channel_name(channel, f"b12x_jax.{_OP}(channel=...)")
   checked = [_check_operand(leaf) for leaf in leaves]
   results: list = [None] * len(leaves)
   traced = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.core.Tracer)]
@@ -82,8 +89,6 @@ def all_reduce(x, axis_name, *, axis_index_groups=None, channel: str | None = No
   if constants:
     # Values every device holds alike (psum(1, axis), the axis size): psum
     # sums them while tracing, with no collective, into static values.
-    for axis in axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,):
-      axis_size(axis, _OP)
     for i in constants:
       results[i] = jax.lax.psum(leaves[i], axis_name, axis_index_groups=axis_index_groups)
   operands = [checked[i] for i in traced]

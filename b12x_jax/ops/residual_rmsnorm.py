@@ -94,11 +94,7 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
   IneligibleError (policy "strict").
   """
   x, residual, weight = _check_operands(x, residual, weight)
-  if isinstance(eps, jax.core.Tracer):
-    raise TypeError(f"b12x_jax.{_OP}: eps must be a constant (a static attribute of the call), got a traced "
-                    f"value {eps!r}; pass a Python float")
-  if not eps > 0:
-    raise ValueError(f"b12x_jax.{_OP}: eps must be > 0, got {eps!r}")
+  eps = _static_eps(eps)
   size = axis_size(axis_name, _OP)
   name = resolve_channel(channel, _OP)
   comm = get_communicator()
@@ -123,6 +119,22 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
   elif exchanges:
     comm.record(Decision(_OP, name, "unfused", why_not))
   return _unfused(all_reduce(x, axis_name, channel=channel), residual, weight, eps)
+
+
+def _static_eps(eps) -> float:
+  """``eps`` as the float the call bakes in (a static attribute), or a
+  clear error: a traced value, a non-number, or one not finite and > 0."""
+  if isinstance(eps, jax.core.Tracer):
+    raise TypeError(f"b12x_jax.{_OP}: eps must be a constant (a static attribute of the call), got a traced "
+                    f"value {eps!r}; pass a Python float")
+  real = isinstance(eps, (int, float, np.integer, np.floating)) or (
+      isinstance(eps, (np.ndarray, jax.Array)) and eps.shape == () and jnp.issubdtype(eps.dtype, jnp.floating))
+  if not real or isinstance(eps, (bool, np.bool_)):
+    raise TypeError(f"b12x_jax.{_OP}: eps must be a real number, got {eps!r}; pass a Python float such as 1e-6")
+  value = float(eps)
+  if not (value > 0 and np.isfinite(value)):
+    raise ValueError(f"b12x_jax.{_OP}: eps must be finite and > 0, got {eps!r}")
+  return value
 
 
 def _unfused(total, residual, weight, eps: float) -> tuple[jax.Array, jax.Array]:
