@@ -119,6 +119,8 @@ def set_strict(enabled: bool = True) -> None:
   It is read while tracing and is not part of jit's cache key: a function
   traced before it changed runs on as it was traced.
   """
+  if not isinstance(enabled, bool):
+    raise TypeError(f"b12x_jax.set_strict: enabled must be True or False, got {enabled!r}")
   if enabled:
     _strict.set()
   else:

@@ -362,6 +362,8 @@ class Communicator(CallPolicy):
     capacity_bytes, lamport_bytes (0 where the Lamport path is off). The
     epoch counts barriers and Lamport calls together. For tests and
     debugging; on CUDA it copies from the device."""
+    if not isinstance(device, jax.Device):
+      raise TypeError(f"Communicator.stats: device must be a jax.Device (e.g. mesh.devices.flat[0]), got {device!r}")
     return _native.stats(_compat.platform_of([device]), channel, _compat.device_ordinal(device))
 
   def _start_counters(self, channel: str, calls: int) -> None:

@@ -582,6 +582,24 @@ def test_a_bad_channel_name_is_a_clear_error_and_leaves_no_scope(cpu_mesh, bad):
   _assert_still_usable(cpu_mesh(2))
 
 
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_set_strict_of_a_non_bool_is_a_clear_error_and_changes_nothing(cpu_mesh, value):
+  # set_strict("no") turned strict mode on
+  with pytest.raises(TypeError) as info:
+    b12x_jax.set_strict(value)
+  _assert_names(str(info.value), "b12x_jax.set_strict", rf"enabled must be True or False, got {re.escape(repr(value))}")
+  assert not b12x_jax.is_strict()
+  _assert_still_usable(cpu_mesh(2))
+
+
+def test_stats_of_something_that_is_not_a_device_is_a_clear_error(cpu_mesh):
+  mesh = cpu_mesh(2)
+  _assert_still_usable(mesh)
+  with pytest.raises(TypeError) as info:
+    b12x_jax.get_communicator().stats(_channel(mesh), 0)
+  _assert_names(str(info.value), "Communicator.stats", r"device must be a jax.Device", fix=r"mesh.devices.flat\[0\]")
+
+
 def test_a_64_character_name_is_accepted(cpu_mesh):
   name = "t" * 64
   with b12x_jax.channel(name) as got:
