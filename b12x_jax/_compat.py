@@ -383,6 +383,16 @@ def vmap_axis_names() -> frozenset:
   return frozenset(names)
 
 
+def automatic_axes() -> tuple[str, ...]:
+  """The mesh axes of more than one device that the enclosing
+  jax.shard_map leaves to the partitioner (its ``axis_names`` a subset of
+  the mesh's), in mesh order; empty outside one."""
+  import jax
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = set(mesh.manual_axes)
+  return tuple(name for name, size in mesh.shape.items() if name not in manual and size > 1)
+
+
 def manual_axes() -> frozenset:
   """The mesh axes the enclosing jax.shard_map makes manual (empty outside
   one); a vmap axis name is not among them. Read from

@@ -321,6 +321,41 @@ def test_a_nested_shard_map_over_the_abstract_mesh_reduces_like_psum(order):
   np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_a_shard_map_manual_over_some_axes_only_takes_psum_with_its_sharding(axis_type):
+  # A custom call has no partitioning rule: XLA gathered the operand over the automatic axis before it
+  # (an all-gather psum does not have, the result replicated), and a packed pytree sharded over an
+  # Explicit axis crashed in ravel. Every op takes its fallback there, and says why.
+  kind = getattr(jax.sharding.AxisType, axis_type)
+  mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(kind, kind), devices=jax.devices("cpu")[:4])
+  rng = np.random.default_rng(23)
+  x = _sharded(mesh, rng.standard_normal((16, 16)).astype(np.float32), P("a", "b"))
+  results = []
+  for reduce in (b12x_jax.all_reduce, jax.lax.psum):
+    fn = jax.jit(jax.shard_map(lambda v, r=reduce: r((v, v[:2] * 3), "a"), mesh=mesh, in_specs=P("a"),
+                               out_specs=(P(), P()), axis_names={"a"}))
+    results.append((fn(x), fn.lower(x).compile().as_text()))
+  (got, hlo), (want, psum_hlo) = results
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert g.sharding.spec == w.sharding.spec, (g.sharding, w.sharding)
+  for op in ("custom-call", "all-gather"):
+    assert hlo.count(op) == psum_hlo.count(op), (op, hlo)
+  reasons = {d.reason for d in b12x_jax.get_communicator().decisions[-2:]}
+  assert reasons == {"the enclosing jax.shard_map leaves mesh axes ('b',) to the partitioner, which cannot "
+                     "split a b12x call over them"}, b12x_jax.get_communicator().decisions[-2:]
+
+  outs, lses, want_out, want_lse = attention_shards(rng, 2, 2, 4, 64, jnp.bfloat16)
+  merge = jax.jit(jax.shard_map(lambda o, s: b12x_jax.dcp_a2a(o[0], s[0], "a", return_lse=True), mesh=mesh,
+                                in_specs=(P("a"), P("a")), out_specs=(P(None, "a"), P(None, "a")),
+                                axis_names={"a"}))
+  got_out, got_lse = merge(_sharded(mesh, outs, P("a")), _sharded(mesh, lses, P("a")))
+  decision = b12x_jax.get_communicator().decisions[-1]
+  assert decision.op == "dcp_a2a" and "leaves mesh axes ('b',)" in decision.reason, decision
+  assert_merge_matches(np.moveaxis(np.asarray(got_out, np.float64).reshape(2, 2, 2, 64), 1, 0),
+                       np.asarray(got_lse).reshape(2, 2, 2).transpose(1, 0, 2), outs, want_out, want_lse, "bfloat16")
+
+
 def test_a_shard_map_given_an_abstract_mesh_alone_says_what_to_pass(cpu_mesh):
   mesh = cpu_mesh(2)
   fn = jax.jit(jax.shard_map(lambda v: b12x_jax.all_reduce(v, "x"), mesh=mesh.abstract_mesh, in_specs=P("x"),

@@ -84,12 +84,17 @@ def why_not_a_mesh_axis(axis_name: str) -> tuple[str, str] | None:
   """(reason, fix) where ``axis_name`` is bound but is no mesh axis of the
   enclosing jax.shard_map (a ``vmap(..., axis_name=...)`` name, also one
   that shadows a mesh axis of the same name): a channel is one group of
-  devices, which only a mesh axis names. None for a mesh axis."""
+  devices, which only a mesh axis names; or where that shard_map leaves
+  other axes automatic. None for a mesh axis of a fully manual shard_map."""
   fix = "Use a mesh axis of the enclosing jax.shard_map"
   if axis_name not in _compat.manual_axes():
     return f"axis {axis_name!r} is not a jax.shard_map mesh axis here (a vmap axis name?)", fix
   if axis_name in _compat.vmap_axis_names():
     return f"axis {axis_name!r} names a jax.vmap axis here, which shadows the mesh axis of that name", fix
+  automatic = _compat.automatic_axes()
+  if automatic:  # a custom call has no partitioning rule: XLA would gather the operand over them first
+    return (f"the enclosing jax.shard_map leaves mesh axes {automatic} to the partitioner, which cannot split "
+            f"a b12x call over them", "Make every mesh axis manual (jax.shard_map without axis_names)")
   return None
 
 
