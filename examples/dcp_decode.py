@@ -254,7 +254,9 @@ def main() -> None:
           f"steps: out {out_err:.1e}, lse {lse_err:.1e}")
   print(f"{'no merge':12s}: {seconds['none'] * 1e6:9.1f} us per decode step (each rank's own partials: timing only)")
   for merge in merges[:-1]:
-    print(f"merge share of a step ({labels[merge]}): {1 - seconds['none'] / seconds[merge]:.0%}")
+    share = 1 - seconds["none"] / seconds[merge]
+    print(f"merge share of a step ({labels[merge]}): " + (f"{share:.0%}" if share >= 0 else
+          "below the timing noise (a step with the merge ran faster than one without)"))
   if "all_to_all" in seconds:
     print(f"all_to_all / {labels['b12x']}: {seconds['all_to_all'] / seconds['b12x']:.2f}x per decode step")
   else:

@@ -15,6 +15,8 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--devices", type=int, default=2, help="ranks on the mesh axis")
 args = parser.parse_args()
+if args.devices < 1 or 1024 % args.devices:
+  parser.error(f"--devices={args.devices} must divide 1024, the contraction the ranks split")
 # Emulated CPU devices, used only when fewer than two GPUs are present.
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={max(args.devices, 2)}")
 
