@@ -167,6 +167,8 @@ def _grid_meshes(order):
 def test_an_export_called_with_its_devices_at_other_mesh_positions_stops_with_an_error(cpu_mesh, order, axis_names):
   # [2, 3, 0, 1] keeps every device's axis group and [0, 3, 2, 1] its index
   # along "x": only the whole position tells the module's devices apart.
+  # With "y" automatic (axis_names={"x"}) the call is psum's (docs/DESIGN.md,
+  # "Placement"), which runs right wherever the devices are.
   cpu_mesh(4)
   exported_on, called_on = _grid_meshes(order)
   manual = {} if axis_names is None else {"axis_names": axis_names}
@@ -183,6 +185,11 @@ def test_an_export_called_with_its_devices_at_other_mesh_positions_stops_with_an
     x = rng.standard_normal((4, 2 * ELEMS)).astype(np.float32)
     want = np.tile(x[:, :ELEMS].astype(np.float64) + x[:, ELEMS:], 2)
     np.testing.assert_allclose(np.asarray(call(jax.device_put(x, NamedSharding(exported_on, spec)))), want, rtol=1e-6)
+    if axis_names:
+      assert "@b12x" not in exported.mlir_module() and comm.decisions[-1].path == "psum", comm.decisions[-1]
+      np.testing.assert_allclose(np.asarray(call(jax.device_put(x, NamedSharding(called_on, spec)))), want,
+                                 rtol=1e-6)
+      return
     with pytest.raises(Exception, match=_MISPLACED):
       np.asarray(call(jax.device_put(x, NamedSharding(called_on, spec))))
     comm.release("placed")
