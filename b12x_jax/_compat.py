@@ -79,16 +79,14 @@ def axis_device_groups(ctx, axis_name: str) -> list[tuple]:
   return [tuple(row) for row in along.reshape(-1, along.shape[-1])]
 
 
-def mesh_devices(ctx) -> tuple[tuple[str, ...], np.ndarray, frozenset]:
-  """(axis names, devices in mesh order, the manual axes) of the shard_map
-  mesh of a lowering context: what ``axis_device_groups`` reads, for a
-  lowering that picks a per-device constant by the device's mesh position
+def mesh_devices(ctx) -> tuple[tuple[str, ...], np.ndarray]:
+  """(axis names, devices in mesh order) of the shard_map mesh of a
+  lowering context: what ``axis_device_groups`` reads, for a lowering
+  that picks a per-device constant by the device's mesh position
   (``jax.lax.axis_index`` over every axis, row-major). Checked on jax
   0.11.2 and 0.12.0.1."""
-  axis_context = ctx.module_context.axis_context
-  mesh = axis_context.mesh
-  names = tuple(mesh.axis_names)
-  return names, _devices_of(ctx, mesh), frozenset(getattr(axis_context, "manual_axes", names))
+  mesh = ctx.module_context.axis_context.mesh
+  return tuple(mesh.axis_names), _devices_of(ctx, mesh)
 
 
 _MESH_DEVICES_KEY = ("b12x_jax", "devices of abstract meshes")
@@ -384,13 +382,12 @@ def vmap_axis_names() -> frozenset:
 
 
 def automatic_axes() -> tuple[str, ...]:
-  """The mesh axes of more than one device that the enclosing
-  jax.shard_map leaves to the partitioner (its ``axis_names`` a subset of
-  the mesh's), in mesh order; empty outside one."""
+  """The mesh axes that the enclosing jax.shard_map leaves to the
+  partitioner (its ``axis_names`` a subset of the mesh's), in mesh order;
+  empty outside one."""
   import jax
   mesh = jax.sharding.get_abstract_mesh()
-  manual = set(mesh.manual_axes)
-  return tuple(name for name, size in mesh.shape.items() if name not in manual and size > 1)
+  return tuple(name for name in mesh.axis_names if name not in set(mesh.manual_axes))
 
 
 def manual_axes() -> frozenset:

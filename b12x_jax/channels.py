@@ -29,7 +29,9 @@ import re
 import threading
 import zlib
 from collections.abc import Iterator
+
 import jax
+import numpy as np
 
 from b12x_jax import _compat
 from b12x_jax.errors import ChannelError
@@ -119,7 +121,7 @@ def set_strict(enabled: bool = True) -> None:
   It is read while tracing and is not part of jit's cache key: a function
   traced before it changed runs on as it was traced.
   """
-  if not isinstance(enabled, bool):
+  if not isinstance(enabled, (bool, np.bool_)):
     raise TypeError(f"b12x_jax.set_strict: enabled must be True or False, got {enabled!r}")
   if enabled:
     _strict.set()

@@ -589,6 +589,12 @@ def test_set_strict_of_a_non_bool_is_a_clear_error_and_changes_nothing(cpu_mesh,
     b12x_jax.set_strict(value)
   _assert_names(str(info.value), "b12x_jax.set_strict", rf"enabled must be True or False, got {re.escape(repr(value))}")
   assert not b12x_jax.is_strict()
+  b12x_jax.set_strict(np.True_)  # a NumPy bool is a bool, as Communicator's switches take it
+  try:
+    assert b12x_jax.is_strict()
+  finally:
+    b12x_jax.set_strict(np.False_)
+  assert not b12x_jax.is_strict()
   _assert_still_usable(cpu_mesh(2))
 
 
@@ -659,6 +665,10 @@ def _accepted_or_rejected_clearly(mesh, setting: str, value) -> None:
 ], ids=["timeout_s-str", "setup_timeout_s-str", "max_blocks-str", "max_blocks-float"])
 def test_a_setting_of_the_wrong_type_is_a_clear_error(cpu_mesh, setting, value, what):
   _accepted_or_rejected_clearly(cpu_mesh(2), setting, value)
+
+
+def test_the_largest_capacity_is_accepted():
+  assert b12x_jax.Communicator(capacity_bytes=1 << 30).capacity_bytes == 1 << 30
 
 
 @pytest.mark.parametrize("setting", ["poison_outputs", "loopback"])

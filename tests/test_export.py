@@ -164,7 +164,8 @@ def _grid_meshes(order):
 
 @pytest.mark.parametrize("order, axis_names", [([0, 2, 1, 3], None), ([2, 3, 0, 1], None), ([0, 3, 2, 1], None),
                                                ([0, 2, 1, 3], {"x"})])
-def test_an_export_called_with_its_devices_at_other_mesh_positions_stops_with_an_error(cpu_mesh, order, axis_names):
+def test_an_export_called_with_its_devices_at_other_mesh_positions_stops_with_an_error_or_is_psum(cpu_mesh, order,
+                                                                                                   axis_names):
   # [2, 3, 0, 1] keeps every device's axis group and [0, 3, 2, 1] its index
   # along "x": only the whole position tells the module's devices apart.
   # With "y" automatic (axis_names={"x"}) the call is psum's (docs/DESIGN.md,

@@ -129,10 +129,9 @@ def test_weight_of_another_dtype_and_bad_eps_are_clear_errors(cpu_mesh):
   for eps in ("1e-6", None, True, 1e-6j, np.array([1e-6])):
     with pytest.raises(TypeError, match=r"all_reduce_residual_rmsnorm: eps must be a real number.*Python float"):
       call(jnp.float32, eps)
-  # A NumPy or JAX scalar from a config is a number: the same result as the float.
-  want = np.asarray(call(jnp.float32, 1e-3))
-  for eps in (np.float32(1e-3), jnp.float32(1e-3)):
-    np.testing.assert_array_equal(np.asarray(call(jnp.float32, eps)), want)
+  # A NumPy, ml_dtypes or JAX scalar from a config is a number: the same result as its float.
+  for eps in (np.float32(1e-3), jnp.float32(1e-3), np.array(1e-3), jnp.bfloat16(1e-3), np.int64(1), jnp.int32(1)):
+    np.testing.assert_array_equal(np.asarray(call(jnp.float32, eps)), np.asarray(call(jnp.float32, float(eps))))
   traced = jax.jit(jax.shard_map(  # eps is an attribute of the call: it was an anonymous TracerBoolConversionError
       lambda x, eps: b12x_jax.all_reduce_residual_rmsnorm(x, x, jnp.ones(x.shape[-1:]), "x", eps=eps)[0],
       mesh=mesh, in_specs=(P(), P()), out_specs=P()))

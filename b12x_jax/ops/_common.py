@@ -92,7 +92,7 @@ def why_not_a_mesh_axis(axis_name: str) -> tuple[str, str] | None:
   if axis_name in _compat.vmap_axis_names():
     return f"axis {axis_name!r} names a jax.vmap axis here, which shadows the mesh axis of that name", fix
   automatic = _compat.automatic_axes()
-  if automatic:  # a custom call has no partitioning rule: XLA would gather the operand over them first
+  if automatic:  # a custom call has no partitioning rule: XLA gathers the operand over them, or aborts
     return (f"the enclosing jax.shard_map leaves mesh axes {automatic} to the partitioner, which cannot split "
             f"a b12x call over them", "Make every mesh axis manual (jax.shard_map without axis_names)")
   return None
@@ -190,15 +190,12 @@ def placement_operand(ctx):
   at other mesh positions than it was exported for stops with an error on
   every rank, instead of exchanging with the peers its ``group`` attribute
   names, which are another axis's there."""
-  names, devices, manual = _compat.mesh_devices(ctx)
+  names, devices = _compat.mesh_devices(ctx)  # every axis manual (why_not_a_mesh_axis)
   ids = np.array([d.id for d in devices.flat], np.int32)
 
   def expected_device():
     return jnp.asarray(ids)[jax.lax.axis_index(names)]
 
-  if manual != frozenset(names):  # the position on every axis, in a shard_map of them all (as axis_index does)
-    expected_device = jax.shard_map(expected_device, in_specs=(), out_specs=jax.sharding.PartitionSpec(),
-                                    check_vma=False)
   (value,) = mlir.lower_fun(lambda: [expected_device()], multiple_results=True)(
       ctx.replace(avals_in=(), avals_out=(_PLACEMENT_AVAL,)))
   return value
@@ -216,15 +213,12 @@ def triton_lowering(ctx, op: str, channel: str, groups, platform: str, site: int
   from b12x_jax import kernels as triton
 
   comm = get_communicator()
-  names, devices, manual = _compat.mesh_devices(ctx)
+  names, devices = _compat.mesh_devices(ctx)
   if platform != "cuda":
     return comm.kernel_fallback(op, channel, f"Pallas Triton has no {platform} path")
   if _compat.lowering_for_export(ctx):
     return comm.kernel_fallback(op, channel, "jax.export: an exported module must not carry this process's "
                                 "channel addresses, which the Triton kernel bakes in")
-  if manual != frozenset(names):
-    return comm.kernel_fallback(op, channel, f"the shard_map leaves mesh axes {sorted(set(names) - manual)} "
-                                "automatic (the kernel picks its addresses by its position on every axis)")
   aval = ctx.avals_in[0]
   nbytes = int(np.prod(aval.shape)) * aval.dtype.itemsize
   # Every process bakes every device's row (its own mapping of its peers):

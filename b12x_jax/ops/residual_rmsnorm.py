@@ -3,6 +3,8 @@ and RMSNorm in one collective (one kernel on CUDA)."""
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,8 +129,9 @@ def _static_eps(eps) -> float:
   if isinstance(eps, jax.core.Tracer):
     raise TypeError(f"b12x_jax.{_OP}: eps must be a constant (a static attribute of the call), got a traced "
                     f"value {eps!r}; pass a Python float")
-  real = isinstance(eps, (int, float, np.integer, np.floating)) or (
-      isinstance(eps, (np.ndarray, jax.Array)) and eps.shape == () and jnp.issubdtype(eps.dtype, jnp.floating))
+  real = isinstance(eps, numbers.Real) or (  # NumPy, ml_dtypes and JAX scalars too
+      isinstance(eps, (np.ndarray, np.generic, jax.Array)) and np.shape(eps) == ()
+      and (jnp.issubdtype(eps.dtype, jnp.floating) or jnp.issubdtype(eps.dtype, jnp.integer)))
   if not real or isinstance(eps, (bool, np.bool_)):
     raise TypeError(f"b12x_jax.{_OP}: eps must be a real number, got {eps!r}; pass a Python float such as 1e-6")
   value = float(eps)
