@@ -387,7 +387,8 @@ def automatic_axes() -> tuple[str, ...]:
   empty outside one."""
   import jax
   mesh = jax.sharding.get_abstract_mesh()
-  return tuple(name for name in mesh.axis_names if name not in set(mesh.manual_axes))
+  manual = set(mesh.manual_axes)
+  return tuple(name for name in mesh.axis_names if name not in manual)
 
 
 def manual_axes() -> frozenset:

@@ -75,7 +75,7 @@ def all_reduce(x, axis_name, *, axis_index_groups=None, channel: str | None = No
   leaves, tree = jax.tree.flatten(x)
   if not leaves:
     return x  # an empty pytree, as psum returns it
-  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  axes = _axes(axis_name)
   for axis in axes:
     axis_size(axis, _OP)
   if len(set(axes)) != len(axes):  # XLA aborts the process on such a sum
@@ -108,6 +108,11 @@ def all_reduce(x, axis_name, *, axis_index_groups=None, channel: str | None = No
   return tree.unflatten(results)
 
 
+def _axes(axis_name) -> tuple:
+  """``axis_name`` as psum reads it: a name, or a tuple or list of names."""
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
 def _packs(leaves: list[jax.Array], axis_name, axis_index_groups) -> list[list[int]]:
   """The leaves (indices, in order) that are reduced together: small
   leaves of one dtype and one type (varying axes) whose padded total fits
@@ -115,7 +120,7 @@ def _packs(leaves: list[jax.Array], axis_name, axis_index_groups) -> list[list[i
   b12x can run the sum at all (one mesh axis, no groups, a supported
   dtype)."""
   comm = get_communicator()
-  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  axes = _axes(axis_name)
   if len(leaves) == 1 or comm.policy == "psum" or _why_psum_only(axes, axis_index_groups) is not None:
     return [[i] for i in range(len(leaves))]
   window = comm.lamport_window  # a pack is one call in the Lamport window
@@ -156,7 +161,7 @@ def _all_reduce_packed(leaves: list[jax.Array], axis_name, channel: str | None) 
 
 def _all_reduce_leaf(x: jax.Array, axis_name, axis_index_groups, channel: str | None,
                      detail: str = "") -> jax.Array:
-  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  axes = _axes(axis_name)
   name = resolve_channel(channel, _OP)
   sizes = [axis_size(a, _OP) for a in axes]
   psum = lambda: jax.lax.psum(x, axis_name, axis_index_groups=axis_index_groups)  # noqa: E731
