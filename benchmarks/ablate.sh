@@ -44,6 +44,8 @@ VARIANTS=(
   "triton: no failure record (its branch gone)|$X|s/recorded = jax.lax.cond(record, record_failure, lambda: \\(.*\\))$/recorded = \\1/"
   "triton: the record without its branch (every step predicated on the call recording)|$X|s/recorded = jax.lax.cond(record, record_failure, lambda: .*)$/recorded = record_failure()/"
   "triton: no halt check (poison, generation)|$X|s/stale, go = halted == 2, halted == 0/stale, go = rank < 0, rank >= 0/"
+  "triton: the fused op's 4096-word rows in one program of 16 warps (no meeting)|$R|s/^SPLIT_ROW_WORDS = 4096$/SPLIT_ROW_WORDS = 8192/; s/warps = warps_for(W, wide_warps(W \* plan.world))/warps = warps_for(W, 16 if W >= 4096 else wide_warps(W * plan.world))/"
+  "triton: the fused op's 4096-word rows in one program of 8 warps (no meeting)|$R|s/^SPLIT_ROW_WORDS = 4096$/SPLIT_ROW_WORDS = 8192/; s/warps = warps_for(W, wide_warps(W \* plan.world))/warps = warps_for(W, 8 if W >= 4096 else wide_warps(W * plan.world))/"
   "triton: the fused op with twice the warps at 8 rows or more|$R|s/warps = warps_for(W, wide_warps(W \* plan.world))/warps = warps_for(W, (2 if words.size \/\/ W >= 8 * split else 1) * wide_warps(W * plan.world))/"
 )
 if [ -n "${ABLATE_KERNELS:-}" ]; then
