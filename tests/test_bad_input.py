@@ -727,6 +727,14 @@ def test_an_axis_wider_than_a_channel_is_a_clear_error_to_prepare_and_psum_to_ca
   # The native layer refuses such a group and such a capacity by itself, before allocating.
   assert errors["native_ranks"] == "ChannelError: a channel group has 1 to 8 ranks, got 9", errors
   assert errors["native_capacity"] == f"ChannelError: capacity_bytes is at most {1 << 30}, got {2 << 30}", errors
+  # A CPU group beyond the machine's memory (8 ranks of 16 GiB) is refused before it allocates, where
+  # the memset would have brought the OOM killer; tried only on such a machine.
+  if result["host_memory"] < 8 * 16 * 2**30:
+    assert re.fullmatch(r"ChannelError: channel 'huge-native' on the CPU backend needs 128\.\d GiB of host memory "
+                        r"for its 8 ranks \(17179869184 bytes of staging each: capacity_bytes x 8 sources x 2 slots\), "
+                        r"more than this machine's \d+\.\d GiB: lower capacity_bytes", errors["native_memory"]), errors
+  else:
+    assert "native_memory" not in errors, errors
   assert {(op, path) for op, path, _ in result["decisions"]} == {("all_reduce", "psum"),
                                                                  ("all_reduce_residual_rmsnorm", "psum")}, result
   assert all("more than the 8 ranks" in reason for _, _, reason in result["decisions"]), result

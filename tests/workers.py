@@ -479,6 +479,16 @@ def wide_mode(args) -> dict:
     _native.prepare("cpu", "wide-native", "p", [0, 1], big)
   except Exception as e:  # noqa: BLE001
     errors["native_capacity"] = f"{type(e).__name__}: {e}"
+  # 8 ranks of 1 GiB: 16 GiB of staging each. Tried only where that is beyond the machine's memory
+  # (the memset of a group that fits would take it all).
+  host_memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  if host_memory < 8 * 16 * 2**30:
+    try:
+      huge = _native.channel_options(capacity_bytes=_native.MAX_CAPACITY_BYTES, lamport_bytes=0, timeout_s=1.0,
+                                     setup_timeout_s=1.0, max_blocks=None, poison_outputs=False)
+      _native.prepare("cpu", "huge-native", "p", list(range(8)), huge)
+    except Exception as e:  # noqa: BLE001
+      errors["native_memory"] = f"{type(e).__name__}: {e}"
   rng = np.random.default_rng(args.seed)
   x = rng.standard_normal((n, 8, 64)).astype(np.float32)
   residual = rng.standard_normal((8, 64)).astype(np.float32)
@@ -493,7 +503,7 @@ def wide_mode(args) -> dict:
   want = x.astype(np.float64).sum(axis=0)
   want_residual = want + residual
   want_normed = want_residual / np.sqrt((want_residual ** 2).mean(-1, keepdims=True) + 1e-6) * weight
-  return {"errors": errors,
+  return {"errors": errors, "host_memory": host_memory,
           "decisions": [(d.op, d.path, d.reason) for d in comm.decisions],
           "error": max(float(np.abs(total - want).max()), float(np.abs(new_residual - want_residual).max()),
                        float(np.abs(normed - want_normed).max()))}

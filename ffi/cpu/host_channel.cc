@@ -1,9 +1,14 @@
 #include "host_channel.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <stdexcept>
+#include <string>
+
+#include <unistd.h>
 
 #include "../lamport.h"
 #include "../protocol.h"
@@ -19,12 +24,15 @@ class HostGroup final : public ChannelGroup {
       : ChannelGroup(channel, Platform::kHost, std::move(ordinals), options) {
     const int world = this->world();
     ChannelView view = host_base_view(options, world);
+    const size_t staging_bytes = view.layout.total_bytes();
+    const size_t lamport_bytes = view.lamport_layout.lamport_region_bytes();
+    refuse_beyond_memory(channel, world, staging_bytes,
+                         world * (rounded(sizeof(Signal)) + rounded(staging_bytes) + rounded(lamport_bytes) +
+                                  rounded(sizeof(ErrorRecord))));
     for (int r = 0; r < world; ++r) {
       view.signals[r] = static_cast<Signal*>(filled(sizeof(Signal), 0));
-      view.staging[r] = static_cast<char*>(filled(view.layout.total_bytes(), 0));
-      if (view.lamport_layout.lamport_region_bytes() > 0) {
-        view.lamport[r] = static_cast<char*>(filled(view.lamport_layout.lamport_region_bytes(), kLamportEmptyByte));
-      }
+      view.staging[r] = static_cast<char*>(filled(staging_bytes, 0));
+      if (lamport_bytes > 0) view.lamport[r] = static_cast<char*>(filled(lamport_bytes, kLamportEmptyByte));
       host_errors_.push_back(static_cast<ErrorRecord*>(filled(sizeof(ErrorRecord), 0)));
     }
     for (int r = 0; r < world; ++r) {
@@ -34,12 +42,8 @@ class HostGroup final : public ChannelGroup {
     }
   }
 
-  ~HostGroup() override {
-    for (const Allocation& a : allocations_) std::free(a.p);
-  }
-
   bool reset() override {
-    for (const Allocation& a : allocations_) std::memset(a.p, a.fill, a.bytes);
+    for (const Allocation& a : allocations_) std::memset(a.p.get(), a.fill, a.bytes);
     return true;
   }
 
@@ -49,19 +53,45 @@ class HostGroup final : public ChannelGroup {
   void start_counters(uint32_t calls) const override { start_host_counters(*this, calls); }
 
  private:
+  struct Free {
+    void operator()(void* p) const { std::free(p); }
+  };
+  // Owned, so that a constructor that throws part way frees what it took.
   struct Allocation {
-    void* p;
+    std::unique_ptr<void, Free> p;
     size_t bytes;
     int fill;  // the byte it was allocated with (and is reset to)
   };
 
+  static size_t rounded(size_t bytes) { return (bytes + 127) / 128 * 128; }
+
+  // Every rank's memory lives in this process and is filled at once: a
+  // group beyond the machine's memory would be killed by the OOM killer
+  // part way through, so it is refused with the fix instead.
+  static void refuse_beyond_memory(const std::string& channel, int world, size_t staging_bytes, size_t needed) {
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    if (pages <= 0 || page <= 0) return;
+    const size_t physical = static_cast<size_t>(pages) * static_cast<size_t>(page);
+    if (needed <= physical) return;
+    const auto gib = [](size_t bytes) {
+      char text[32];
+      std::snprintf(text, sizeof(text), "%.1f GiB", static_cast<double>(bytes) / (1u << 30));
+      return std::string(text);
+    };
+    throw std::invalid_argument("channel '" + channel + "' on the CPU backend needs " + gib(needed) +
+                                " of host memory for its " + std::to_string(world) + " ranks (" +
+                                std::to_string(staging_bytes) + " bytes of staging each: capacity_bytes x " +
+                                std::to_string(world) + " sources x 2 slots), more than this machine's " +
+                                gib(physical) + ": lower capacity_bytes");
+  }
+
   void* filled(size_t bytes, int fill) {
-    const size_t rounded = (bytes + 127) / 128 * 128;
-    void* p = std::aligned_alloc(128, rounded);
+    const size_t size = rounded(bytes);
+    std::unique_ptr<void, Free> p(std::aligned_alloc(128, size));
     if (p == nullptr) throw std::bad_alloc();
-    allocations_.push_back({p, rounded, fill});
-    std::memset(p, fill, rounded);
-    return p;
+    std::memset(p.get(), fill, size);
+    allocations_.push_back({std::move(p), size, fill});
+    return allocations_.back().p.get();
   }
 
   std::vector<Allocation> allocations_;
