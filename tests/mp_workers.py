@@ -570,6 +570,27 @@ def failed_prepare_mode(args) -> dict:
   return {"errors": errors, "hash": value}
 
 
+def small_shm_mode(args) -> dict:
+  """In a /dev/shm too small for the default channel's segments (the test
+  mounts a small one for all processes): preparing it raises the
+  TransportError that names the fix, with nothing left mapped or named;
+  with capacity_bytes lowered as it says, a channel prepares and sums right."""
+  import numpy as np
+
+  import b12x_jax
+  mesh = _mesh()
+  error = None
+  try:
+    b12x_jax.get_communicator().prepare(mesh, "x", channels=["default-size"])
+  except b12x_jax.TransportError as e:
+    error = str(e)
+  left = _mapped_shm()
+  b12x_jax.set_communicator(b12x_jax.Communicator(capacity_bytes=1 << 20))
+  with b12x_jax.channel("smaller"):
+    value = _check(_reducer(mesh, b12x_jax.all_reduce), mesh, np.random.default_rng(4), 4096, "float32")
+  return {"error": error, "left": left, "hash": value}
+
+
 def reuse_cycles_mode(args) -> dict:
   """``--cycles`` throwaway channels across processes, every other one
   under a new name: each preparation reuses the memory the last release
@@ -1369,7 +1390,7 @@ def same_program_mode(args) -> dict:
 
 
 MODES = {"after_failure": after_failure_mode, "stale_replay": stale_replay_mode, "misplaced_export": misplaced_export_mode, "reuse_cycles": reuse_cycles_mode, "dies_preparing": dies_preparing_mode,
-         "capacity_edge": capacity_edge_mode, "loops": loops_mode, "same_program": same_program_mode, "drop_in": drop_in_mode, "all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode,
+         "capacity_edge": capacity_edge_mode, "loops": loops_mode, "same_program": same_program_mode, "drop_in": drop_in_mode, "all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode, "small_shm": small_shm_mode,
          "never_joins": never_joins_mode, "close_twice": close_twice_mode, "throwaway": throwaway_mode,
          "exit_pending": exit_pending_mode, "close_after_peer_died": close_after_peer_died_mode,
          "elsewhere": elsewhere_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,

@@ -6,7 +6,10 @@ worker processes (tests/mp_workers.py) with a hard timeout."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
 
 import pytest
 from helpers import tag_error
@@ -127,6 +130,36 @@ def test_a_failed_preparation_on_one_process_makes_all_raise_with_nothing_mapped
     assert re.search(r"step 'opened' failed on 1 of 2 processes.*process 1: .*injected failure at opened",
                      r["errors"]["opened"]), r
   assert results[0]["hash"] == results[1]["hash"]  # and the channel prepares fine afterwards
+
+
+@pytest.fixture
+def small_dev_shm():
+  """A mount namespace whose /dev/shm is a tmpfs of 32 MiB (Docker's default
+  is 64), held by a sleeping process: the command prefix that runs a process
+  in it. Needs root and unshare/nsenter; skipped, with the reason, without."""
+  if os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("nsenter")):
+    pytest.skip("a small /dev/shm needs root, unshare and nsenter to mount one in a mount namespace")
+  holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                             "mount -t tmpfs -o size=32m tmpfs /dev/shm && echo ready && exec sleep 600"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    if holder.stdout.readline().strip() != "ready":
+      pytest.skip(f"no mount namespace with its own /dev/shm here: {holder.communicate(timeout=10)[1].strip()}")
+    yield ("nsenter", f"--mount=/proc/{holder.pid}/ns/mnt", "--")
+  finally:
+    holder.kill()
+    holder.wait()
+
+
+def test_a_dev_shm_too_small_for_a_channel_is_a_clear_error_and_a_smaller_capacity_runs(multiprocess, small_dev_shm):
+  # The segment was sized, not reserved: the first touch of a page tmpfs could not back raised SIGBUS.
+  results = multiprocess("small_shm", 2, launcher=small_dev_shm)
+  for me, r in enumerate(results):
+    assert re.search(rf"channel 'default-size': rank {me}'s shared-memory segment of \d+ MiB does not fit in "
+                     r"/dev/shm \(No space left on device, \d+ MiB free there\): lower capacity_bytes .* or give "
+                     r"/dev/shm more room \(docker run --shm-size\)", r["error"] or ""), r
+    assert r["left"] == [], r
+  assert results[0]["hash"] == results[1]["hash"]
 
 
 def test_throwaway_channels_in_a_loop_reuse_the_memory_of_the_first_across_processes(multiprocess):

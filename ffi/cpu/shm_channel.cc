@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -44,7 +45,7 @@ class ShmGroup final : public SharedGroup {
       for (int r = 0; r < world; ++r) {
         if (!is_local(r)) continue;
         // O_EXCL: never attach to a stale segment (a name left by a process
-        // that died, whose pid this one has: the next name); ftruncate
+        // that died, whose pid this one has: the next name); posix_fallocate
         // zero-fills it. The name is ours, to unlink, only once created.
         std::string name;
         int fd = -1;
@@ -55,12 +56,19 @@ class ShmGroup final : public SharedGroup {
         }
         if (fd < 0) throw posix_error("shm_open", name);
         names_[r] = name;
-        const bool sized = ftruncate(fd, static_cast<off_t>(bytes_)) == 0;
-        void* base = sized ? map(fd) : MAP_FAILED;
+        // Its pages reserved, not only its size set: in a /dev/shm too
+        // small for it (Docker gives 64 MiB) the first touch of a page it
+        // cannot back would raise SIGBUS, at this memset or mid-call.
+        const int reserved = posix_fallocate(fd, 0, static_cast<off_t>(bytes_));
+        void* base = reserved == 0 ? map(fd) : MAP_FAILED;
         close(fd);
+        if (reserved != 0) {
+          shm_unlink(names_[r].c_str());
+          throw no_room_error(channel, r, reserved);
+        }
         if (base == MAP_FAILED) {
           shm_unlink(names_[r].c_str());
-          throw posix_error(sized ? "mmap" : "ftruncate", names_[r]);
+          throw posix_error("mmap", names_[r]);
         }
         exports_.push_back(base);
         // Every Lamport word starts empty, before any peer can open it.
@@ -131,6 +139,19 @@ class ShmGroup final : public SharedGroup {
   static std::string unique_name(int rank) {
     static std::atomic<unsigned> next{0};
     return "/b12x." + std::to_string(getpid()) + "." + std::to_string(next++) + ".r" + std::to_string(rank);
+  }
+
+  // Why rank `rank`'s segment could not be reserved, and the fix.
+  std::runtime_error no_room_error(const std::string& channel, int rank, int error) const {
+    const auto mib = [](unsigned long long bytes) { return std::to_string(bytes >> 20) + " MiB"; };
+    struct statvfs fs {};
+    const std::string room = statvfs("/dev/shm", &fs) == 0
+                                 ? ", " + mib(static_cast<unsigned long long>(fs.f_bavail) * fs.f_frsize) + " free there"
+                                 : "";
+    return std::runtime_error("channel '" + channel + "': rank " + std::to_string(rank) + "'s shared-memory segment of " +
+                              mib(bytes_) + " does not fit in /dev/shm (" + std::strerror(error) + room +
+                              "): lower capacity_bytes (staging is capacity_bytes x ranks x 2 slots a rank) or give "
+                              "/dev/shm more room (docker run --shm-size)");
   }
 
   void* map(int fd) const { return mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0); }
