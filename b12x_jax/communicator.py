@@ -75,7 +75,7 @@ class Communicator(CallPolicy):
     policy: "auto" falls back to psum outside the b12x window, "strict"
       raises there instead, "psum" forces the psum path for every call
       (dcp_a2a's fallback is jax.lax.all_to_all plus a local merge). None
-      (the default) reads the environment variable B12X_JAX_POLICY, else
+      (the default) reads the environment variable B12X_JAX_POLICY (empty: unset), else
       "auto": ``B12X_JAX_POLICY=psum`` switches a deployment to psum without
       a code change (it applies to functions traced afterwards).
     max_blocks: largest CUDA grid of one call; None takes min(64, SM count).
@@ -134,7 +134,7 @@ class Communicator(CallPolicy):
         raise ValueError(f"Communicator: {setting} must be a number of seconds > 0 and at most {_MAX_TIMEOUT_S:g} "
                          f"(every wait is bounded), got {value!r}")
     if policy is None:
-      policy = os.environ.get(POLICY_ENV, "auto")
+      policy = os.environ.get(POLICY_ENV) or "auto"  # set but empty, as a shell leaves it: unset
       if policy not in _POLICIES:
         raise ValueError(f"Communicator: environment variable {POLICY_ENV} must be one of {_POLICIES}, "
                          f"got {policy!r}")

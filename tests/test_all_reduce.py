@@ -296,6 +296,8 @@ def test_the_environment_switch_forces_the_psum_path(cpu_mesh, monkeypatch):
     assert_sum_matches(_run(fn, mesh, shards), shards, "float32", roundings=2)
     assert comm.decisions[-1].path == "psum" and "policy 'psum'" in comm.decisions[-1].reason
     monkeypatch.delenv("B12X_JAX_POLICY")  # before fresh_communicator's exit makes the next default one
+  monkeypatch.setenv("B12X_JAX_POLICY", "")  # `export B12X_JAX_POLICY=`: unset, not an error
+  assert b12x_jax.Communicator().policy == "auto"
   monkeypatch.setenv("B12X_JAX_POLICY", "fast")
   with pytest.raises(ValueError, match=r"Communicator: environment variable B12X_JAX_POLICY must be one of"):
     b12x_jax.Communicator()

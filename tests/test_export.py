@@ -83,6 +83,36 @@ def test_an_export_serializes_and_the_deserialized_module_runs(cpu_mesh):
       _check(restored.call(*_placed(mesh, host)), expected)
 
 
+def _symbolic_args(mesh):
+  """_every_op's arguments with the all_reduce's length, dcp_a2a's batch and the fused op's rows symbolic."""
+  e, b, r = jax.export.symbolic_shape("e, b, r")
+  shapes = [((N, e), jnp.float32, P("x")), ((N * b, HEADS, DIM), jnp.bfloat16, P("x")), ((N * b, HEADS), jnp.float32,
+            P("x")), ((N, r, HIDDEN), jnp.float32, P("x")), ((r, HIDDEN), jnp.float32, P()),
+            ((HIDDEN,), jnp.float32, P())]
+  return [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec)) for shape, dtype, spec in shapes]
+
+
+def test_an_export_of_symbolic_sizes_takes_every_fallback(cpu_mesh):
+  # Each op compared the symbolic size with its windows while tracing (an
+  # InconclusiveDimensionOperation; dcp_a2a a nanobind TypeError), under every policy: psum exported.
+  # (Not called: on jax 0.11.2's XLA:CPU, calling such an export of a shard_map segfaults with psum alone.)
+  mesh = cpu_mesh(N)
+  with fresh_communicator() as comm:
+    exported = _exported(mesh, _symbolic_args(mesh))
+    decisions = {d.op: d for d in comm.decisions if d.channel == "exported"}
+    assert {op: d.path for op, d in decisions.items()} == {
+        "all_reduce": "psum", "dcp_a2a": "all_to_all", "all_reduce_residual_rmsnorm": "unfused"}, comm.decisions
+    assert all("symbolic shape" in d.reason for d in decisions.values()), comm.decisions
+    module = exported.mlir_module()
+    assert not any(t in module for t in TARGETS), [t for t in TARGETS if t in module]
+    assert "stablehlo.all_reduce" in module and "stablehlo.all_to_all" in module
+    assert [str(d) for d in exported.in_avals[0].shape] == [str(N), "e"], exported.in_avals
+  with fresh_communicator(policy="strict"):
+    with pytest.raises(b12x_jax.IneligibleError, match=r"b12x_jax.all_reduce: x has a symbolic shape \[e\] .*"
+                       r"Export with concrete shapes"):
+      _exported(mesh, _symbolic_args(mesh))
+
+
 _LOADER = textwrap.dedent("""
     import sys
     import jax, numpy as np

@@ -114,6 +114,16 @@ def test_bad_arguments_are_clear_errors(cpu_mesh, x_shape, res_shape, w_shape, d
     jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P()))(jnp.zeros(2))
 
 
+def test_rows_of_no_element_give_empty_results_as_psum_and_jnp_do(cpu_mesh):
+  # It raised "x must be [..., hidden] with at least one element" where psum and jnp give empty arrays.
+  mesh = cpu_mesh(2)
+  for shape in ((0, 64), (2, 0, 64), (3, 0)):
+    def body(x):
+      return b12x_jax.all_reduce_residual_rmsnorm(x, x, jnp.ones(x.shape[-1:]), "x")
+    normed, new_residual = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P()))(jnp.ones(shape))
+    assert normed.shape == new_residual.shape == shape and normed.dtype == jnp.float32, (shape, normed)
+
+
 def test_weight_of_another_dtype_and_bad_eps_are_clear_errors(cpu_mesh):
   mesh = cpu_mesh(2)
 
@@ -123,9 +133,11 @@ def test_weight_of_another_dtype_and_bad_eps_are_clear_errors(cpu_mesh):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P()))(jnp.ones((2, 16)))
   with pytest.raises(TypeError, match=r"all_reduce_residual_rmsnorm: weight must have x's dtype float32.*astype"):
     call(jnp.bfloat16, 1e-6)
-  for eps in (0.0, -1e-6, float("inf"), float("nan")):  # inf gave zeros without an error
-    with pytest.raises(ValueError, match=r"all_reduce_residual_rmsnorm: eps must be finite and > 0"):
+  # inf gave zeros without an error; 1e-46 and 1e39, 0 and inf in the float32 math, NaN where a row is zero
+  for eps in (0.0, -1e-6, float("inf"), float("nan"), 1e-46, 1e39):
+    with pytest.raises(ValueError, match=r"all_reduce_residual_rmsnorm: eps must be finite and > 0 as a float32"):
       call(jnp.float32, eps)
+  np.testing.assert_array_equal(np.asarray(call(jnp.float32, 1.5e-45)), np.asarray(call(jnp.float32, 1e-45)))
   for eps in ("1e-6", None, True, 1e-6j, np.array([1e-6])):
     with pytest.raises(TypeError, match=r"all_reduce_residual_rmsnorm: eps must be a real number.*Python float"):
       call(jnp.float32, eps)

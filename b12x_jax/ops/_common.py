@@ -98,6 +98,16 @@ def why_not_a_mesh_axis(axis_name: str) -> tuple[str, str] | None:
   return None
 
 
+def why_not_concrete(arg: str, x: jax.Array) -> tuple[str, str] | None:
+  """(reason, fix) where ``x`` has a symbolic dimension (jax.export's shape
+  polymorphism): a channel plans each call from its sizes at trace time,
+  so only the fallback can run it. None for a concrete shape."""
+  if all(isinstance(d, int) for d in x.shape):
+    return None
+  return (f"{arg} has a symbolic shape [{', '.join(map(str, x.shape))}] (jax.export shape polymorphism); a b12x "
+          f"call is planned for concrete sizes", f"Export with concrete shapes (one export per size) for b12x")
+
+
 def register_batcher(primitive: Primitive, op: str, rule: Callable) -> None:
   """Batches ``primitive`` by ``rule(args, dims, **params)``. A call bound
   under a ``vmap`` whose axis name is the call's axis (the op's fallback

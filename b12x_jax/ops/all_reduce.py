@@ -12,7 +12,8 @@ from b12x_jax.channels import resolve_channel, validate_channel_name
 from b12x_jax.communicator import get_communicator
 from b12x_jax.policy import PACK_BYTES
 from b12x_jax import kernels
-from b12x_jax.ops._common import axis_size, call_site, collective_primitive, register_batcher, why_not_a_mesh_axis
+from b12x_jax.ops._common import (axis_size, call_site, collective_primitive, register_batcher, why_not_a_mesh_axis,
+                                  why_not_concrete)
 
 _OP = "all_reduce"
 _TARGET = "b12x_all_reduce"
@@ -127,6 +128,9 @@ def _packs(leaves: list[jax.Array], axis_name, axis_index_groups) -> list[list[i
   open_packs: dict[tuple, tuple[list[int], int]] = {}  # (dtype, varying axes) -> (indices, bytes)
   packs: list[list[int]] = []
   for i, leaf in enumerate(leaves):
+    if why_not_concrete("x", leaf) is not None:
+      packs.append([i])
+      continue
     nbytes = leaf.size * leaf.dtype.itemsize
     if leaf.dtype.name not in _PACKED_DTYPES or nbytes == 0 or _padded(nbytes) > window:
       packs.append([i])
@@ -166,9 +170,10 @@ def _all_reduce_leaf(x: jax.Array, axis_name, axis_index_groups, channel: str | 
   sizes = [axis_size(a, _OP) for a in axes]
   psum = lambda: jax.lax.psum(x, axis_name, axis_index_groups=axis_index_groups)  # noqa: E731
   comm = get_communicator()
-  if x.size == 0 or (all(s == 1 for s in sizes) and not comm.loopback):
+  concrete = why_not_concrete("x", x) is None
+  if (concrete and x.size == 0) or (all(s == 1 for s in sizes) and not comm.loopback):
     return psum()  # nothing crosses a link; psum's type (invariant over the axis)
-  why_not = _why_psum_only(axes, axis_index_groups)
+  why_not = _why_psum_only(axes, axis_index_groups) or why_not_concrete("x", x)
   if why_not is not None:
     comm.outside_window(_OP, name, *why_not)
     return psum()

@@ -13,7 +13,8 @@ from b12x_jax.communicator import get_communicator
 from b12x_jax.policy import PACK_BYTES
 from b12x_jax import kernels
 from b12x_jax.ops._common import (MAX_BLOCKS, axis_size, batch_size, call_site, channel_blocks, collective_primitive,
-                                  differentiate_by_fallback, register_batcher, why_not_a_mesh_axis)
+                                  differentiate_by_fallback, register_batcher, why_not_a_mesh_axis,
+                                  why_not_concrete)
 
 _OP = "dcp_a2a"
 _TARGET = "b12x_dcp_a2a"
@@ -33,6 +34,8 @@ def _check_operands(out, lse, lse_base: str, return_lse) -> tuple[jax.Array, jax
   if out.ndim != 3:
     raise ValueError(f"b12x_jax.{_OP}: out must be [B, H, D] (3 dims), got shape {out.shape}; "
                      f"reshape the partial attention output to batch x heads x head_dim")
+  if out.shape[2] == 0:  # XLA's partitioner crashes the process on such an all_to_all, the fallback's
+    raise ValueError(f"b12x_jax.{_OP}: out must have a head_dim D of at least 1, got shape {out.shape}")
   if out.dtype.name not in _OUT_DTYPES:
     raise TypeError(f"b12x_jax.{_OP}: out must be bfloat16 or float16, got {out.dtype.name}; "
                     f"cast it (out.astype(jnp.bfloat16))")
@@ -117,7 +120,7 @@ def dcp_a2a(out, lse, axis_name: str, *, return_lse: bool = False, lse_base: str
   base2 = lse_base == "2"
   comm = get_communicator()
   row_bytes = dim * out.dtype.itemsize
-  why_not = why_not_a_mesh_axis(axis_name) or _why_not_tagged(heads, row_bytes)
+  why_not = why_not_a_mesh_axis(axis_name) or why_not_concrete("out", out) or _why_not_tagged(heads, row_bytes)
   if size == 1 and not comm.loopback:  # loopback: a group of one runs the exchange too
     results = _merge(out[None], lse[None], base2=base2, return_lse=return_lse)
   elif why_not is not None:

@@ -16,7 +16,8 @@ from b12x_jax.communicator import get_communicator
 from b12x_jax.policy import PACK_BYTES, Decision
 from b12x_jax import kernels
 from b12x_jax.ops._common import (axis_size, batch_size, call_site, channel_blocks, collective_primitive,
-                                  differentiate_by_fallback, register_batcher, why_not_a_mesh_axis)
+                                  differentiate_by_fallback, register_batcher, why_not_a_mesh_axis,
+                                  why_not_concrete)
 from b12x_jax.ops.all_reduce import all_reduce
 
 _OP = "all_reduce_residual_rmsnorm"
@@ -30,8 +31,8 @@ def _check_operands(x, residual, weight) -> tuple[jax.Array, jax.Array, jax.Arra
     if not hasattr(a, "dtype") or not hasattr(a, "shape"):
       raise TypeError(f"b12x_jax.{_OP}: {arg} must be an array, got {type(a).__name__}")
   x, residual, weight = jnp.asarray(x), jnp.asarray(residual), jnp.asarray(weight)
-  if x.ndim < 1 or x.size == 0:
-    raise ValueError(f"b12x_jax.{_OP}: x must be [..., hidden] with at least one element, got shape {x.shape}")
+  if x.ndim < 1:
+    raise ValueError(f"b12x_jax.{_OP}: x must be [..., hidden] (at least 1 dim), got shape {x.shape}")
   if x.dtype.name not in _DTYPES:
     raise TypeError(f"b12x_jax.{_OP}: x must be one of {_DTYPES}, got {x.dtype.name}; cast it")
   if residual.shape != x.shape or residual.dtype != x.dtype:
@@ -100,13 +101,18 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
   size = axis_size(axis_name, _OP)
   name = resolve_channel(channel, _OP)
   comm = get_communicator()
+  exchanges = size > 1 or comm.loopback  # loopback: a group of one runs the exchange too
+  not_concrete = why_not_concrete("x", x)
+  if not_concrete is not None or x.size == 0:  # no rows to plan: the unfused math, as psum and jnp give it
+    if exchanges and not_concrete is not None:
+      comm.outside_window(_OP, name, *not_concrete, fallback="unfused")
+    return _unfused(all_reduce(x, axis_name, channel=channel), residual, weight, eps)
   row_bytes = x.shape[-1] * x.dtype.itemsize
   rows = x.size // x.shape[-1]
   grid = channel_blocks(comm.max_blocks)
   cell = _native.lamport_cell_bytes(comm.native_options(), grid)
   not_a_mesh_axis = why_not_a_mesh_axis(axis_name)
   why_not = _fused_window(rows, row_bytes, cell, grid)
-  exchanges = size > 1 or comm.loopback  # loopback: a group of one runs the exchange too
   if exchanges and not_a_mesh_axis is not None:
     comm.outside_window(_OP, name, *not_a_mesh_axis, fallback="unfused")
   elif exchanges and why_not is None:
@@ -135,8 +141,12 @@ def _static_eps(eps) -> float:
   if not real or isinstance(eps, (bool, np.bool_)):
     raise TypeError(f"b12x_jax.{_OP}: eps must be a real number, got {eps!r}; pass a Python float such as 1e-6")
   value = float(eps)
-  if not (value > 0 and np.isfinite(value)):
-    raise ValueError(f"b12x_jax.{_OP}: eps must be finite and > 0, got {eps!r}")
+  with np.errstate(over="ignore", under="ignore"):
+    single = np.float32(value)  # what the math adds: float32
+  if not (single > 0 and np.isfinite(single)):
+    raise ValueError(f"b12x_jax.{_OP}: eps must be finite and > 0 as a float32 (the norm's math), got {eps!r} "
+                     f"(float32: {single}); pass one in [{np.finfo(np.float32).smallest_subnormal:.3g}, "
+                     f"{np.finfo(np.float32).max:.3g}]")
   return value
 
 
