@@ -1,6 +1,7 @@
 """b12x_jax: intra-node collectives for JAX as XLA FFI custom calls.
 
-Public API (re-exports only; see each module for the contracts).
+Public API (re-exports only; see each module for the contracts). README.md
+has the guide; docs/DESIGN.md the protocols.
 """
 
 from b12x_jax._version import __version__

@@ -99,8 +99,8 @@ class Communicator(CallPolicy):
     kernels: which kernel kind runs a b12x call: "ffi" (the default: the
       native kernels, every op and size), "triton" (the Pallas Triton kernels
       of the same wire protocol, which XLA launches itself: all_reduce of
-      float32 and bfloat16 in the Lamport window and the fused op's rows, on
-      CUDA; docs/DESIGN.md "Triton kernels"), or "auto" (triton where such a kernel exists for the call
+      float32 and bfloat16 in the Lamport window, the fused op's rows and
+      dcp_a2a of bfloat16, on CUDA; docs/DESIGN.md "Triton kernels"), or "auto" (triton where such a kernel exists for the call
       and the default backend is CUDA, else ffi). Both kinds interleave on
       one channel. Where "triton" cannot run a call (another op, dtype or
       size, a CPU lowering: Pallas Triton has no CPU path) the call takes the
@@ -135,6 +135,8 @@ class Communicator(CallPolicy):
                          f"(every wait is bounded), got {value!r}")
     if policy is None:
       policy = os.environ.get(POLICY_ENV) or "auto"  # set but empty, as a shell leaves it: unset
+      if policy == "strict":
+        self.to_auto = f"{POLICY_ENV}=auto (it set 'strict' here)"
       if policy not in _POLICIES:
         raise ValueError(f"Communicator: environment variable {POLICY_ENV} must be one of {_POLICIES}, "
                          f"got {policy!r}")
@@ -260,7 +262,8 @@ class Communicator(CallPolicy):
     for group in groups:
       platform = _compat.platform_of(group)
       if platform not in _native.platforms():
-        return self._ineligible(op, channel, f"no b12x backend for platform {platform!r} in this build", fallback)
+        return self._ineligible(op, channel, f"no b12x backend for platform {platform!r} in this build (rebuild with nvcc on PATH, "
+                                 f"B12X_CUDA=ON, for CUDA)", fallback)
       ordinals = _ordinals(group)
       if all(o < 0 for o in ordinals):
         continue  # other processes serve this group

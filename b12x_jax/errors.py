@@ -13,7 +13,8 @@ class B12xError(RuntimeError):
 
 
 class ChannelError(B12xError, ValueError):
-  """A channel is misnamed, unowned in strict mode, or not prepared."""
+  """A channel is misnamed, unowned in strict mode, or not prepared; its
+  settings differ between processes; or the communicator is closed."""
 
 
 class IneligibleError(B12xError, ValueError):

@@ -48,6 +48,7 @@ class CallPolicy:
   the last MAX_DECISIONS decisions, oldest first, in ``decisions``."""
 
   policy: Policy
+  to_auto: str = "policy='auto'"  # how to leave "strict" (Communicator.__init__: the variable that set it)
   capacity_bytes: int
   kernels: Kernels
   decisions: list[Decision]
@@ -141,7 +142,7 @@ class CallPolicy:
     under policies "auto" and "psum"; under "strict" an IneligibleError that
     says ``fix``."""
     if self.policy == "strict":
-      raise IneligibleError(f"b12x_jax.{op}: {reason} (policy 'strict'). {fix}, or use policy='auto' to fall "
+      raise IneligibleError(f"b12x_jax.{op}: {reason} (policy 'strict'). {fix}, or use {self.to_auto} to fall "
                             f"back to {fallback}")
     return self.record(Decision(op, channel, fallback, reason))
 

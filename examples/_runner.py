@@ -32,6 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--coordinator", help=argparse.SUPPRESS)
 
 
+def emulate_cpu_devices(count: int) -> None:
+  """Asks XLA for ``count`` emulated CPU devices (used only where fewer GPUs
+  are present), beside what XLA_FLAGS already holds (a dump directory, say);
+  a device count set there is kept. Call before importing jax."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "--xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
 def host_devices(args) -> int:
   """The CPU devices this process emulates: its share of --devices."""
   return 1 if args.processes > 1 else max(args.devices, 2)

@@ -21,7 +21,6 @@ partials: timing only), in the same run.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -45,7 +44,7 @@ parser.add_argument("--plot", metavar="PATH", help="write a PNG of the timings (
 _runner.add_arguments(parser)
 args = parser.parse_args()
 # Emulated CPU devices, used only when fewer than --devices GPUs are present.
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={_runner.host_devices(args)}")
+_runner.emulate_cpu_devices(_runner.host_devices(args))
 _runner.launch_or_join(args)
 
 import jax  # noqa: E402
@@ -198,8 +197,9 @@ def main() -> None:
     gpus = []
   devices = gpus if len(gpus) >= args.devices else jax.devices("cpu")
   n, b, h, d, s, steps = args.devices, args.batch, args.heads, args.head_dim, args.kv_len, args.steps
-  if h % n or s % n:
-    sys.exit(f"--heads={h} and --kv-len={s} must be multiples of --devices={n}")
+  for flag, value in (("--heads", h), ("--kv-len", s)):
+    if value % n:
+      sys.exit(f"{flag}={value} must be a multiple of --devices={n}")
   if not 1 <= steps < s or b < 1 or args.repeats < 1:
     sys.exit(f"--steps={steps} must be between 1 and --kv-len - 1, and --batch, --repeats at least 1")
   mesh = jax.make_mesh((n,), (AXIS,), devices=devices[:n])

@@ -9,7 +9,8 @@ Checks every result against NumPy and prints what ran where.
 from __future__ import annotations
 
 import argparse
-import os
+
+import _runner
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -18,7 +19,7 @@ args = parser.parse_args()
 if args.devices < 1 or 1024 % args.devices:
   parser.error(f"--devices={args.devices} must divide 1024, the contraction the ranks split")
 # Emulated CPU devices, used only when fewer than two GPUs are present.
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={max(args.devices, 2)}")
+_runner.emulate_cpu_devices(max(args.devices, 2))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -36,7 +36,6 @@ per dispatch from Python (timed for b12x and psum, tokens checked the same way).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Callable, NamedTuple
@@ -70,7 +69,7 @@ parser.add_argument("--host-loop", action="store_true",
                          "Python")
 _runner.add_arguments(parser)
 args = parser.parse_args()
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={_runner.host_devices(args)}")
+_runner.emulate_cpu_devices(_runner.host_devices(args))
 _runner.launch_or_join(args)
 
 import jax  # noqa: E402

@@ -298,6 +298,13 @@ def test_the_environment_switch_forces_the_psum_path(cpu_mesh, monkeypatch):
     monkeypatch.delenv("B12X_JAX_POLICY")  # before fresh_communicator's exit makes the next default one
   monkeypatch.setenv("B12X_JAX_POLICY", "")  # `export B12X_JAX_POLICY=`: unset, not an error
   assert b12x_jax.Communicator().policy == "auto"
+  monkeypatch.setenv("B12X_JAX_POLICY", "strict")  # its error says how to leave it: the variable, not policy=
+  with fresh_communicator() as comm, b12x_jax.channel("switched-strict"):
+    assert comm.policy == "strict"
+    with pytest.raises(b12x_jax.IneligibleError, match=r"dtype int32.* or use B12X_JAX_POLICY=auto \(it set "
+                                                       r"'strict' here\) to fall back to psum"):
+      _per_rank(mesh)(jax.device_put(shards.reshape(-1).astype(np.int32), NamedSharding(mesh, P("x"))))
+    monkeypatch.delenv("B12X_JAX_POLICY")
   monkeypatch.setenv("B12X_JAX_POLICY", "fast")
   with pytest.raises(ValueError, match=r"Communicator: environment variable B12X_JAX_POLICY must be one of"):
     b12x_jax.Communicator()

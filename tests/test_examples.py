@@ -15,8 +15,11 @@ import pytest
 EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, "examples")
 
 
-def run_example(name: str, *args: str, devices: int = 2, timeout: float = 240.0) -> subprocess.CompletedProcess:
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+def run_example(name: str, *args: str, devices: int = 2, timeout: float = 240.0,
+                xla_flags: str | None = None) -> subprocess.CompletedProcess:
+  """``name`` on ``devices`` emulated CPU devices, or with ``xla_flags`` as XLA_FLAGS (the example adds its own)."""
+  flags = f"--xla_force_host_platform_device_count={devices}" if xla_flags is None else xla_flags
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
   return subprocess.run([sys.executable, os.path.join(EXAMPLES, name), *args], capture_output=True, text=True,
                         env=env, timeout=timeout)
 
@@ -81,7 +84,8 @@ def test_the_examples_run_as_two_processes_of_one_device_each(name, args, check)
 @pytest.mark.parametrize(("name", "args", "message"), [
     ("speculative_decoding.py", ("--kv-heads", "3"), "--kv-heads=3 must be a multiple of --devices=2"),
     ("speculative_decoding.py", ("--draft-layers", "5"), "--draft-layers=5 must be between 1 and --layers=4"),
-    ("dcp_decode.py", ("--heads", "5"), "--heads=5 and --kv-len=256 must be multiples of --devices=2"),
+    ("dcp_decode.py", ("--heads", "5"), "--heads=5 must be a multiple of --devices=2"),
+    ("dcp_decode.py", ("--devices", "3", "--heads", "12"), "--kv-len=256 must be a multiple of --devices=3"),
     ("dcp_decode.py", ("--processes", "2", "--devices", "4"), "--devices=4 must equal --processes=2"),
 ])
 def test_examples_name_the_bad_argument(name, args, message):
@@ -98,6 +102,13 @@ PSUM_LINES = {"quickstart.py": [r"channel target : max relative error \S+, path 
               "speculative_decoding.py": [r"^ +psum\* +psum$", r"^\* b12x's b12x_jax calls took the psum path: "
                                                                r"policy 'psum' forces the psum path$"],
               "dcp_decode.py": [r"^all_to_all\* +: ", r"^\* b12x's b12x_jax calls took the all_to_all path"]}
+
+
+def test_the_examples_keep_the_xla_flags_a_user_set_and_add_their_devices():
+  # They left XLA_FLAGS as it was when set, so JAX found one CPU device and raised its mesh-size error.
+  for name in SMALL:
+    proc = run_example(name, *SMALL[name], xla_flags="--xla_dump_hlo_as_text")
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("OK"), proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("policy", ["psum", "strict"])
