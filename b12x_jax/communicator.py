@@ -288,7 +288,7 @@ class Communicator(CallPolicy):
 
   def _ineligible(self, op: str, channel: str, reason: str, fallback: str) -> Decision:
     if self.policy == "strict":
-      raise TransportError(f"b12x_jax.{op}: {reason} (policy 'strict'; policy='auto' falls back to {fallback})")
+      raise TransportError(f"b12x_jax.{op}: {reason} (policy 'strict'; {self.to_auto} falls back to {fallback})")
     return self.record(Decision(op, channel, fallback, reason))
 
   def _is_prepared(self, platform: str, channel: str, partition: str, ordinals: tuple[int, ...]) -> bool:

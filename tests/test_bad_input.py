@@ -732,7 +732,8 @@ def test_an_axis_wider_than_a_channel_is_a_clear_error_to_prepare_and_psum_to_ca
   if result["host_memory"] < 8 * 16 * 2**30:
     assert re.fullmatch(r"ChannelError: channel 'huge-native' on the CPU backend needs 128\.\d GiB of host memory "
                         r"for its 8 ranks \(17179869184 bytes of staging each: capacity_bytes x 8 sources x 2 slots\), "
-                        r"more than this machine's \d+\.\d GiB: lower capacity_bytes", errors["native_memory"]), errors
+                        r"more than the \d+\.\d GiB this process can have now \(the machine's available memory, "
+                        r"within its cgroup's limit\): lower capacity_bytes", errors["native_memory"]), errors
   else:
     assert "native_memory" not in errors, errors
   assert {(op, path) for op, path, _ in result["decisions"]} == {("all_reduce", "psum"),

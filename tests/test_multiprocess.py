@@ -144,8 +144,13 @@ def small_dev_shm():
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
     if holder.stdout.readline().strip() != "ready":
-      pytest.skip(f"no mount namespace with its own /dev/shm here: {holder.communicate(timeout=10)[1].strip()}")
-    yield ("nsenter", f"--mount=/proc/{holder.pid}/ns/mnt", "--")
+      holder.kill()
+      pytest.skip(f"no mount namespace with its own /dev/shm here: {holder.communicate()[1].strip()}")
+    enter = ("nsenter", f"--mount=/proc/{holder.pid}/ns/mnt", "--")
+    joined = subprocess.run([*enter, "true"], capture_output=True, text=True)
+    if joined.returncode != 0:
+      pytest.skip(f"no process may enter that mount namespace here: {joined.stderr.strip()}")
+    yield enter
   finally:
     holder.kill()
     holder.wait()

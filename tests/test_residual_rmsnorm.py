@@ -133,11 +133,16 @@ def test_weight_of_another_dtype_and_bad_eps_are_clear_errors(cpu_mesh):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P()))(jnp.ones((2, 16)))
   with pytest.raises(TypeError, match=r"all_reduce_residual_rmsnorm: weight must have x's dtype float32.*astype"):
     call(jnp.bfloat16, 1e-6)
-  # inf gave zeros without an error; 1e-46 and 1e39, 0 and inf in the float32 math, NaN where a row is zero
-  for eps in (0.0, -1e-6, float("inf"), float("nan"), 1e-46, 1e39):
-    with pytest.raises(ValueError, match=r"all_reduce_residual_rmsnorm: eps must be finite and > 0 as a float32"):
+  # inf gave zeros without an error; 1e-46 and 1e39, 0 and inf in the float32 math, and 1e-40, a subnormal
+  # XLA flushes to 0, gave NaN where a row is zero
+  for eps in (0.0, -1e-6, float("inf"), float("nan"), 1e-46, 1e-40, 1e39):
+    with pytest.raises(ValueError, match=r"all_reduce_residual_rmsnorm: eps must be a normal float32 > 0 .*"
+                                         r"pass one in \[1.18e-38, 3.4e\+38\]"):
       call(jnp.float32, eps)
-  np.testing.assert_array_equal(np.asarray(call(jnp.float32, 1.5e-45)), np.asarray(call(jnp.float32, 1e-45)))
+  mesh_zero = jax.jit(jax.shard_map(  # the smallest eps taken keeps a zero row finite
+      lambda x: b12x_jax.all_reduce_residual_rmsnorm(x, x, jnp.ones(x.shape[-1:]), "x", eps=1.2e-38)[0],
+      mesh=mesh, in_specs=P(), out_specs=P()))
+  np.testing.assert_array_equal(np.asarray(mesh_zero(jnp.zeros((2, 16)))), np.zeros((2, 16), np.float32))
   for eps in ("1e-6", None, True, 1e-6j, np.array([1e-6])):
     with pytest.raises(TypeError, match=r"all_reduce_residual_rmsnorm: eps must be a real number.*Python float"):
       call(jnp.float32, eps)

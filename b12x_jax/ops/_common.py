@@ -102,7 +102,7 @@ def why_not_concrete(arg: str, x: jax.Array) -> tuple[str, str] | None:
   """(reason, fix) where ``x`` has a symbolic dimension (jax.export's shape
   polymorphism): a channel plans each call from its sizes at trace time,
   so only the fallback can run it. None for a concrete shape."""
-  if all(isinstance(d, int) for d in x.shape):
+  if all(isinstance(d, (int, np.integer)) for d in x.shape):
     return None
   return (f"{arg} has a symbolic shape [{', '.join(map(str, x.shape))}] (jax.export shape polymorphism); a b12x "
           f"call is planned for concrete sizes", f"Export with concrete shapes (one export per size) for b12x")

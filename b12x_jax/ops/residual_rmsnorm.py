@@ -143,10 +143,10 @@ def _static_eps(eps) -> float:
   value = float(eps)
   with np.errstate(over="ignore", under="ignore"):
     single = np.float32(value)  # what the math adds: float32
-  if not (single > 0 and np.isfinite(single)):
-    raise ValueError(f"b12x_jax.{_OP}: eps must be finite and > 0 as a float32 (the norm's math), got {eps!r} "
-                     f"(float32: {single}); pass one in [{np.finfo(np.float32).smallest_subnormal:.3g}, "
-                     f"{np.finfo(np.float32).max:.3g}]")
+  tiny, largest = np.finfo(np.float32).tiny, np.finfo(np.float32).max
+  if not (tiny <= single <= largest):  # a subnormal: XLA flushes it to 0, and a zero row is NaN
+    raise ValueError(f"b12x_jax.{_OP}: eps must be a normal float32 > 0 (the norm's math), got {eps!r} "
+                     f"(float32: {single}); pass one in [{tiny:.3g}, {largest:.3g}]")
   return value
 
 

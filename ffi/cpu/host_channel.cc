@@ -1,5 +1,6 @@
 #include "host_channel.h"
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -66,13 +67,11 @@ class HostGroup final : public ChannelGroup {
   static size_t rounded(size_t bytes) { return (bytes + 127) / 128 * 128; }
 
   // Every rank's memory lives in this process and is filled at once: a
-  // group beyond the machine's memory would be killed by the OOM killer
+  // group beyond what the process can have would be ended by the OOM killer
   // part way through, so it is refused with the fix instead.
   static void refuse_beyond_memory(const std::string& channel, int world, size_t staging_bytes, size_t needed) {
-    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-    if (pages <= 0 || page <= 0) return;
-    const size_t physical = static_cast<size_t>(pages) * static_cast<size_t>(page);
-    if (needed <= physical) return;
+    const size_t usable = usable_memory();
+    if (needed <= usable) return;
     const auto gib = [](size_t bytes) {
       char text[32];
       std::snprintf(text, sizeof(text), "%.1f GiB", static_cast<double>(bytes) / (1u << 30));
@@ -81,8 +80,41 @@ class HostGroup final : public ChannelGroup {
     throw std::invalid_argument("channel '" + channel + "' on the CPU backend needs " + gib(needed) +
                                 " of host memory for its " + std::to_string(world) + " ranks (" +
                                 std::to_string(staging_bytes) + " bytes of staging each: capacity_bytes x " +
-                                std::to_string(world) + " sources x 2 slots), more than this machine's " +
-                                gib(physical) + ": lower capacity_bytes");
+                                std::to_string(world) + " sources x 2 slots), more than the " + gib(usable) +
+                                " this process can have now (the machine's available memory, within its cgroup's "
+                                "limit): lower capacity_bytes");
+  }
+
+  // The least of: the machine's memory, what it has available now
+  // (/proc/meminfo MemAvailable), and what is left of a cgroup v2 limit.
+  // A source that cannot be read does not count.
+  static size_t usable_memory() {
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    size_t usable = pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) : SIZE_MAX;
+    const auto fewer = [&usable](unsigned long long bytes) { usable = bytes < usable ? bytes : usable; };
+    if (std::FILE* f = std::fopen("/proc/meminfo", "r")) {
+      char line[128];
+      unsigned long long kib = 0;
+      while (std::fgets(line, sizeof(line), f)) {
+        if (std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1) fewer(kib * 1024);
+      }
+      std::fclose(f);
+    }
+    unsigned long long limit = 0, current = 0;
+    if (read_number("/sys/fs/cgroup/memory.max", limit) && read_number("/sys/fs/cgroup/memory.current", current)) {
+      fewer(limit > current ? limit - current : 0);
+    }
+    return usable;
+  }
+
+  // The number a one-line file holds; false where it cannot be read or
+  // holds none ("max": no limit).
+  static bool read_number(const char* path, unsigned long long& value) {
+    std::FILE* f = std::fopen(path, "r");
+    if (f == nullptr) return false;
+    const bool read = std::fscanf(f, "%llu", &value) == 1;
+    std::fclose(f);
+    return read;
   }
 
   void* filled(size_t bytes, int fill) {

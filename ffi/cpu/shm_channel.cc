@@ -59,12 +59,15 @@ class ShmGroup final : public SharedGroup {
         // Its pages reserved, not only its size set: in a /dev/shm too
         // small for it (Docker gives 64 MiB) the first touch of a page it
         // cannot back would raise SIGBUS, at this memset or mid-call.
-        const int reserved = posix_fallocate(fd, 0, static_cast<off_t>(bytes_));
+        int reserved = EINTR;
+        while (reserved == EINTR) reserved = posix_fallocate(fd, 0, static_cast<off_t>(bytes_));
         void* base = reserved == 0 ? map(fd) : MAP_FAILED;
         close(fd);
         if (reserved != 0) {
           shm_unlink(names_[r].c_str());
-          throw no_room_error(channel, r, reserved);
+          if (reserved == ENOSPC || reserved == ENOMEM) throw no_room_error(channel, r, reserved);
+          errno = reserved;  // posix_fallocate returns its error, leaving errno as it was
+          throw posix_error("posix_fallocate", names_[r]);
         }
         if (base == MAP_FAILED) {
           shm_unlink(names_[r].c_str());
