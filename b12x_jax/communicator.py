@@ -75,9 +75,10 @@ class Communicator(CallPolicy):
     policy: "auto" falls back to psum outside the b12x window, "strict"
       raises there instead, "psum" forces the psum path for every call
       (dcp_a2a's fallback is jax.lax.all_to_all plus a local merge). None
-      (the default) reads the environment variable B12X_JAX_POLICY (empty: unset), else
-      "auto": ``B12X_JAX_POLICY=psum`` switches a deployment to psum without
-      a code change (it applies to functions traced afterwards).
+      (the default) reads the environment variable B12X_JAX_POLICY (empty:
+      unset), else "auto": ``B12X_JAX_POLICY=psum`` switches a deployment
+      to psum without a code change (it applies to functions traced
+      afterwards).
     max_blocks: largest CUDA grid of one call; None takes min(64, SM count).
     lamport_bytes: payloads up to this size take the flagless Lamport
       exchange (no barrier; three more buffers of this size per peer), larger
@@ -100,8 +101,9 @@ class Communicator(CallPolicy):
       native kernels, every op and size), "triton" (the Pallas Triton kernels
       of the same wire protocol, which XLA launches itself: all_reduce of
       float32 and bfloat16 in the Lamport window, the fused op's rows and
-      dcp_a2a of bfloat16, on CUDA; docs/DESIGN.md "Triton kernels"), or "auto" (triton where such a kernel exists for the call
-      and the default backend is CUDA, else ffi). Both kinds interleave on
+      dcp_a2a of bfloat16, on CUDA; docs/DESIGN.md "Triton kernels"), or
+      "auto" (triton where such a kernel exists for the call and the default
+      backend is CUDA, else ffi). Both kinds interleave on
       one channel. Where "triton" cannot run a call (another op, dtype or
       size, a CPU lowering: Pallas Triton has no CPU path) the call takes the
       ffi kernel and the decision says why, under policies "auto" and
@@ -262,8 +264,8 @@ class Communicator(CallPolicy):
     for group in groups:
       platform = _compat.platform_of(group)
       if platform not in _native.platforms():
-        return self._ineligible(op, channel, f"no b12x backend for platform {platform!r} in this build (rebuild with nvcc on PATH, "
-                                 f"B12X_CUDA=ON, for CUDA)", fallback)
+        return self._ineligible(op, channel, f"no b12x backend for platform {platform!r} in this build (for CUDA, "
+                                "rebuild with nvcc on PATH, B12X_CUDA=ON)", fallback)
       ordinals = _ordinals(group)
       if all(o < 0 for o in ordinals):
         continue  # other processes serve this group

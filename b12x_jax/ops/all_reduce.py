@@ -170,10 +170,10 @@ def _all_reduce_leaf(x: jax.Array, axis_name, axis_index_groups, channel: str | 
   sizes = [axis_size(a, _OP) for a in axes]
   psum = lambda: jax.lax.psum(x, axis_name, axis_index_groups=axis_index_groups)  # noqa: E731
   comm = get_communicator()
-  concrete = why_not_concrete("x", x) is None
-  if (concrete and x.size == 0) or (all(s == 1 for s in sizes) and not comm.loopback):
+  symbolic = why_not_concrete("x", x)
+  if (symbolic is None and x.size == 0) or (all(s == 1 for s in sizes) and not comm.loopback):
     return psum()  # nothing crosses a link; psum's type (invariant over the axis)
-  why_not = _why_psum_only(axes, axis_index_groups) or why_not_concrete("x", x)
+  why_not = _why_psum_only(axes, axis_index_groups) or symbolic
   if why_not is not None:
     comm.outside_window(_OP, name, *why_not)
     return psum()
