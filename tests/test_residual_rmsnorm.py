@@ -139,10 +139,10 @@ def test_weight_of_another_dtype_and_bad_eps_are_clear_errors(cpu_mesh):
     with pytest.raises(ValueError, match=r"all_reduce_residual_rmsnorm: eps must be a normal float32 > 0 .*"
                                          r"pass one in \[1.18e-38, 3.4e\+38\]"):
       call(jnp.float32, eps)
-  mesh_zero = jax.jit(jax.shard_map(  # the smallest eps taken keeps a zero row finite
+  normed_of = jax.jit(jax.shard_map(  # the smallest eps taken keeps a zero row finite
       lambda x: b12x_jax.all_reduce_residual_rmsnorm(x, x, jnp.ones(x.shape[-1:]), "x", eps=1.2e-38)[0],
       mesh=mesh, in_specs=P(), out_specs=P()))
-  np.testing.assert_array_equal(np.asarray(mesh_zero(jnp.zeros((2, 16)))), np.zeros((2, 16), np.float32))
+  np.testing.assert_array_equal(np.asarray(normed_of(jnp.zeros((2, 16)))), np.zeros((2, 16), np.float32))
   for eps in ("1e-6", None, True, 1e-6j, np.array([1e-6])):
     with pytest.raises(TypeError, match=r"all_reduce_residual_rmsnorm: eps must be a real number.*Python float"):
       call(jnp.float32, eps)
