@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import subprocess
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -33,6 +37,31 @@ def installed(comm):
   finally:
     comm.close()
     b12x_jax.set_communicator(b12x_jax.Communicator())
+
+
+@contextlib.contextmanager
+def mount_namespace(setup: str, what: str):
+  """A mount namespace that the shell command ``setup`` has changed, held
+  by a sleeping process: yields the command prefix that runs a process in
+  it. Needs root and unshare/nsenter; skips the test, with the reason and
+  ``what`` it wanted, without them."""
+  if os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("nsenter")):
+    pytest.skip(f"{what} needs root, unshare and nsenter to mount it in a mount namespace")
+  holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                             f"{setup} && echo ready && exec sleep 600"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    if holder.stdout.readline().strip() != "ready":
+      holder.kill()
+      pytest.skip(f"no mount namespace with {what} here: {holder.communicate()[1].strip()}")
+    enter = ("nsenter", f"--mount=/proc/{holder.pid}/ns/mnt", "--")
+    joined = subprocess.run([*enter, "true"], capture_output=True, text=True)
+    if joined.returncode != 0:
+      pytest.skip(f"no process may enter that mount namespace here: {joined.stderr.strip()}")
+    yield enter
+  finally:
+    holder.kill()
+    holder.wait()
 
 
 def random_shards(rng: np.random.Generator, n: int, elems: int, dtype) -> np.ndarray:

@@ -8,8 +8,11 @@ error the library is still usable on the same channel."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 import b12x_jax
 from conftest import run_worker
 from helpers import (DTYPES, RTOL, assert_merge_matches, assert_sum_matches, attention_shards, fresh_communicator,
-                     installed, put_sharded, random_shards)
+                     installed, mount_namespace, put_sharded, random_shards)
 
 CHANNEL = "bad-input"  # plus the axis size: a device serves a channel in one group only
 LSE_BYTES = 4  # one float32 lse per staged row of dcp_a2a
@@ -740,6 +743,52 @@ def test_an_axis_wider_than_a_channel_is_a_clear_error_to_prepare_and_psum_to_ca
                                                                  ("all_reduce_residual_rmsnorm", "psum")}, result
   assert all("more than the 8 ranks" in reason for _, _, reason in result["decisions"]), result
   assert result["error"] < 1e-4, result
+
+
+_CGROUP_PREPARE = """
+import json, sys
+from b12x_jax import _native
+def prepare(limit, current, capacity, world):
+  for name, value in (("memory.max", limit), ("memory.current", current)):
+    with open(f"/sys/fs/cgroup/{name}", "w") as f:
+      f.write(f"{value}\\n")
+  options = _native.channel_options(capacity_bytes=capacity, lamport_bytes=0, timeout_s=1.0, setup_timeout_s=1.0,
+                                    max_blocks=None, poison_outputs=False)
+  try:
+    _native.prepare("cpu", f"limited-{limit}-{current}-{capacity}", "p", list(range(world)), options)
+  except Exception as e:
+    return f"{type(e).__name__}: {e}"
+  return "prepared"
+print("RESULT " + json.dumps([prepare(*case) for case in json.loads(sys.argv[1])]))
+"""
+
+
+def test_a_cpu_channel_beyond_its_cgroups_memory_limit_is_refused_and_one_within_it_prepares():
+  # A container's limit is what the OOM killer enforces; the machine's memory may be far above it.
+  # /sys/fs/cgroup is a tmpfs in a mount namespace, with the limit and usage the case writes there.
+  gib = 2**30
+  cases = [(3 * gib, gib, 32 << 20, 8),     # 4 GiB for 8 ranks of 32 MiB, 2 GiB left of the limit
+           (3 * gib, gib, 1 << 20, 2),      # 8 MiB fits
+           ("max", gib, 1 << 20, 2),        # no limit
+           (gib, 2 * gib, 1 << 20, 2)]      # usage above the limit: nothing left
+  with mount_namespace("mount -t tmpfs -o size=1m tmpfs /sys/fs/cgroup", "a cgroup limit of its own") as enter:
+    proc = subprocess.run([*enter, sys.executable, "-c", _CGROUP_PREPARE, json.dumps(cases)], capture_output=True,
+                          text=True, timeout=60)
+  lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+  assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+  beyond, fits, unlimited, exhausted = json.loads(lines[0][len("RESULT "):])
+  if _available_memory() > 2 * gib:  # else MemAvailable is the least, and the message names it
+    assert re.fullmatch(r"ChannelError: channel 'limited-\d+-\d+-33554432' on the CPU backend needs 4\.0 GiB of host "
+                        r"memory for its 8 ranks .* more than the 2\.0 GiB this process can have now .*: lower "
+                        r"capacity_bytes", beyond), beyond
+  assert fits == unlimited == "prepared", (fits, unlimited)
+  assert re.fullmatch(r"ChannelError: .* needs 0\.0 GiB of host memory for its 2 ranks .* more than the 0\.0 GiB "
+                      r"this process can have now .*", exhausted), exhausted
+
+
+def _available_memory() -> int:
+  with open("/proc/meminfo") as f:
+    return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
 
 
 def test_prepare_with_a_device_list_instead_of_a_mesh_is_a_clear_error(cpu_mesh):

@@ -8,11 +8,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import subprocess
 
 import pytest
-from helpers import tag_error
+from helpers import mount_namespace, tag_error
 
 import b12x_jax
 from b12x_jax import rendezvous
@@ -135,25 +133,9 @@ def test_a_failed_preparation_on_one_process_makes_all_raise_with_nothing_mapped
 @pytest.fixture
 def small_dev_shm():
   """A mount namespace whose /dev/shm is a tmpfs of 32 MiB (Docker's default
-  is 64), held by a sleeping process: the command prefix that runs a process
-  in it. Needs root and unshare/nsenter; skipped, with the reason, without."""
-  if os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("nsenter")):
-    pytest.skip("a small /dev/shm needs root, unshare and nsenter to mount one in a mount namespace")
-  holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                             "mount -t tmpfs -o size=32m tmpfs /dev/shm && echo ready && exec sleep 600"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  try:
-    if holder.stdout.readline().strip() != "ready":
-      holder.kill()
-      pytest.skip(f"no mount namespace with its own /dev/shm here: {holder.communicate()[1].strip()}")
-    enter = ("nsenter", f"--mount=/proc/{holder.pid}/ns/mnt", "--")
-    joined = subprocess.run([*enter, "true"], capture_output=True, text=True)
-    if joined.returncode != 0:
-      pytest.skip(f"no process may enter that mount namespace here: {joined.stderr.strip()}")
+  is 64): the command prefix that runs a process in it."""
+  with mount_namespace("mount -t tmpfs -o size=32m tmpfs /dev/shm", "a small /dev/shm") as enter:
     yield enter
-  finally:
-    holder.kill()
-    holder.wait()
 
 
 def test_a_dev_shm_too_small_for_a_channel_is_a_clear_error_and_a_smaller_capacity_runs(multiprocess, small_dev_shm):
