@@ -15,7 +15,9 @@ proof.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
+import re
 import subprocess
 import sys
 
@@ -34,6 +36,8 @@ if not triton.__version__.startswith(sys.argv[3]):
   sys.exit(0)
 path, warps = sys.argv[1], int(sys.argv[2])
 kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
+with open(path + ".ttgir", "w") as f:
+  f.write(kernel.asm["ttgir"])
 print("compiled", triton.__version__, len(kernel.asm["cubin"]))
 """
 
@@ -81,6 +85,30 @@ def _lowered(monkeypatch, trace) -> list[tuple[str, int]]:
   return list(zip(modules, warps))
 
 
+_LAYOUT = re.compile(r"^(#\w+) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\], threadsPerWarp = \[([\d, ]+)\], "
+                     r"warpsPerCTA = \[([\d, ]+)\]", re.M)
+
+
+def _copies_of_a_stored_element(ttgir: str, store: str) -> list[tuple[str, int]]:
+  """(tensor type, threads holding each element) of every ``store`` inline
+  asm in ``ttgir``: a blocked layout covers sizePerThread x threadsPerWarp
+  x warpsPerCTA elements along each axis; along an axis shorter than that,
+  several threads hold each element (sizes are powers of two)."""
+  layouts = {name: [[int(n) for n in part.split(",")] for part in parts]
+             for name, *parts in _LAYOUT.findall(ttgir)}
+  found = []
+  for line in ttgir.splitlines():
+    if "tt.elementwise_inline_asm" not in line or store not in line:
+      continue
+    shape, layout = re.search(r"-> tensor<([\dx]+)xi32, (#\w+)>", line).groups()
+    assert layout in layouts, f"a layout this test does not read: {layout}\n{ttgir[:2000]}"
+    copies = 1
+    for size, *cover in zip(map(int, shape.split("x")), *layouts[layout]):
+      copies *= max(1, math.prod(cover) // size)
+    found.append((f"tensor<{shape}, {layout}>", copies))
+  return found
+
+
 @pytest.mark.parametrize("name", ["all_reduce float32", "all_reduce bfloat16", "all_reduce loopback",
                                   "all_reduce bfloat16, 8 ranks", "dcp_a2a", "fused, one program a row",
                                   "fused, a row over 4 programs"])
@@ -96,3 +124,10 @@ def test_every_triton_kernel_compiles_for_an_h200(monkeypatch, tmp_path, name):
   failed = [line for line in proc.stderr.splitlines() if "error" in line.lower() or "Pipeline failed" in line]
   assert proc.returncode == 0 and "compiled" in proc.stdout, (
       f"rc={proc.returncode}\n" + ("\n".join(failed[-5:]) or proc.stderr[-3000:]))
+  # Each word a peer reads is stored by one thread (docs/DESIGN.md, "Lamport"): dcp_a2a's lse, a
+  # tensor<8xi32> over 128 threads, was stored by 16.
+  from b12x_jax import kernels as triton
+  store = "@p st.volatile.global.u32 [a], $4"  # the exchange's store instruction
+  assert store in triton.exchange._STORE
+  stores = _copies_of_a_stored_element((tmp_path / "kernel.ttir.ttgir").read_text(), store)
+  assert stores and all(copies == 1 for _, copies in stores), stores

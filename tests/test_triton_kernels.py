@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 import sys
 
@@ -324,12 +325,10 @@ def test_dcp_a2a_lowers_to_its_triton_kernel_for_cuda_and_float16_to_ffi(cpu_mes
   assert "no Triton kernel for dcp_a2a of dtype float16" in comm.decisions[1].reason
 
 
-def test_every_read_of_memory_that_peers_write_gives_each_element_one_thread(cpu_mesh, monkeypatch):
-  # Triton gives a tensor narrower than the program's threads copies in several threads, each
-  # loading on its own; reductions read one copy, so threads disagreed on when a poll ended (the
-  # one-GPU rig: NaN in a row of the fused op inside a loop, no error). Polls, poison words and the
-  # clock are read in one 1-D shape at least as wide as the threads; narrower reads only of words
-  # the polls saw arrived (docs/DESIGN.md, "Triton kernels").
+def _every_kernel_kind(cpu_mesh, monkeypatch) -> list[tuple[int, list]]:
+  """(num_warps, [(inline asm, result shape)]) of six Triton kernels lowered
+  through shard_map: all_reduce of 8, 64 and 2048 words, the fused op of 8
+  and 256 words a row, and dcp_a2a of [2, 2, 64]."""
   kernels = _record_inline_asm(monkeypatch)
   mesh = cpu_mesh(2)
 
@@ -351,8 +350,28 @@ def test_every_read_of_memory_that_peers_write_gives_each_element_one_thread(cpu
     lower_for_cuda(fn, args, monkeypatch)
   assert [d.kernel for d in comm.decisions] == ["triton"] * 6, comm.decisions
   assert len(kernels) == 6
-  for warps, asms in kernels:
+  return kernels
+
+
+def test_every_read_of_memory_that_peers_write_gives_each_element_one_thread(cpu_mesh, monkeypatch):
+  # Triton gives a tensor narrower than the program's threads copies in several threads, each
+  # loading on its own; reductions read one copy, so threads disagreed on when a poll ended (the
+  # one-GPU rig: NaN in a row of the fused op inside a loop, no error). Polls, poison words and the
+  # clock are read in one 1-D shape at least as wide as the threads; narrower reads only of words
+  # the polls saw arrived (docs/DESIGN.md, "Triton kernels").
+  for warps, asms in _every_kernel_kind(cpu_mesh, monkeypatch):
     _assert_one_thread_per_polled_element(warps, asms)
+
+
+def test_every_store_to_memory_that_peers_read_gives_each_element_one_thread(cpu_mesh, monkeypatch):
+  # dcp_a2a pushed each lse word [rows] from every thread that held a copy of it (16 at 8 rows and
+  # 4 warps): a late copy could land after the owner's refill and read as arrived three calls later
+  # (docs/DESIGN.md, "Lamport"). Every store is issued at a shape with at least one element a thread;
+  # tests/test_triton_compile.py reads the layouts Triton gives them.
+  from b12x_jax import kernels as triton
+  for warps, asms in _every_kernel_kind(cpu_mesh, monkeypatch):
+    shapes = [shape for code, shape in asms if code == triton.exchange._STORE]
+    assert shapes and all(math.prod(shape) >= 32 * warps for shape in shapes), (warps, shapes)
 
 
 def triton_kernel_case(name: str):

@@ -331,6 +331,20 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
   in_cell, in_header = lanes < cell_words, lanes < 4
   # Each segment's words: their index in the cell.
   segment_words = [starts[k] + _flat_iota(shape) for k, shape in enumerate(shapes)]
+  # Each word is pushed once (docs/DESIGN.md, "Lamport"): a segment narrower
+  # than the threads has copies in several, each of which would store it, and
+  # a late copy could land after the owner's refill. Such a segment is pushed
+  # from a carrier, its values along one more axis wide enough to give every
+  # element one thread, by the threads of the carrier's first column only.
+  carriers = [carrier_shape(shape, warps) for shape in shapes]
+
+  def carried(k: int, x) -> jax.Array:
+    shape = jnp.shape(x)
+    return x if carriers[k] == shape else jax.lax.broadcast_in_dim(x, carriers[k], tuple(range(len(shape))))
+
+  first_copy = [jnp.full(carrier, True) if carrier == shape else
+                jax.lax.broadcasted_iota(U32, carrier, len(carrier) - 1) == 0
+                for shape, carrier in zip(shapes, carriers)]
   rank = table[_RANK]
   own_signal, error, own_lamport = address(_OWN_SIGNAL), address(_ERROR), address(_OWN_LAMPORT)
   zero = jnp.zeros(control, U32)
@@ -383,14 +397,14 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
   #    cell of the peer's buffer B(k). Each segment's stores form one chain
   #    (`sinks`: every store's result ORed, what keeps them, in order: the
   #    module docstring); the pad words' and the header's form the last.
-  sinks = [jnp.zeros(shape, U32) for shape in (*shapes, control)]
+  sinks = [jnp.zeros(shape, U32) for shape in (*carriers, control)]
   for p in range(plan.world):
     enabled = jnp.logical_and(exchanges_with(p), go)
     peer = address(_PEER_LAMPORT + 2 * p)
     cell = cell_offset(buffer, rank)
     for k, segment in enumerate(parts[p]):
-      sinks[k] = sinks[k] | store(peer, cell + 4 * segment_words[k], on_the_wire(plan, segment),
-                                  jnp.broadcast_to(enabled, segment.shape), sinks[k])
+      sinks[k] = sinks[k] | store(peer, cell + 4 * carried(k, segment_words[k]), carried(k, on_the_wire(plan, segment)),
+                                  jnp.logical_and(enabled, first_copy[k]), sinks[k])
     if cell_words > words_total:
       sinks[-1] = sinks[-1] | store(peer, cell + 4 * lanes, zero,
                                     jnp.logical_and(enabled, jnp.logical_and(lanes >= words_total, in_cell)),
@@ -628,6 +642,15 @@ def _scalars(like: jax.Array, *values: int) -> tuple[jax.Array, ...]:
   """int32 scalars computed from the traced ``like``: a branch of lax.cond
   may not return a literal in Pallas Triton."""
   return tuple(like * 0 + jnp.int32(v) for v in values)
+
+
+def carrier_shape(shape: tuple[int, ...], warps: int) -> tuple[int, ...]:
+  """``shape``, or where it has fewer elements than a program of ``warps``
+  warps has threads, ``shape`` and one more axis that makes up the number
+  (every size a power of two, as Triton's)."""
+  size = int(np.prod(shape))
+  threads = 32 * warps
+  return tuple(shape) if size >= threads else (*shape, -(-threads // size))
 
 
 def wide_warps(words: int) -> int:

@@ -58,9 +58,11 @@ struct CudaMem {
   // compiler split it and first store a vector with undefined words (seen
   // with nvcc 13.0 -O3: st.global.v4 {1, undef, undef, undef}, then the
   // words): a reader polling for "no word empty" then takes register garbage
-  // for an arrived Lamport header (docs/DESIGN.md, "Lamport").
+  // for an arrived Lamport header (docs/DESIGN.md, "Lamport"). Relaxed at
+  // system scope, as the polls are: a weak store gives a reader's poll no
+  // order to pass on to another thread's later read of the same word.
   static __device__ __forceinline__ void store_pack(Pack* p, const Pack& x) {
-    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(x.words[0]), "r"(x.words[1]),
+    asm volatile("st.relaxed.sys.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(x.words[0]), "r"(x.words[1]),
                  "r"(x.words[2]), "r"(x.words[3])
                  : "memory");
   }
