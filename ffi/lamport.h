@@ -188,7 +188,7 @@ template <class Mem>
 B12X_HD void lamport_advance(const ChannelView& v, const LamportCall& c, uint32_t packs) {
   mark_served<Mem>(v, c.block);
   Signal* own = v.signals[v.rank];
-  own->lamport_calls[c.block] = c.call + 1u;
+  Mem::store_relaxed(&own->lamport_calls[c.block], c.call + 1u);  // read_host_calls reads it meanwhile
   own->lamport_buffer[c.block] = c.buffer == kLamportBuffers - 1 ? 0u : static_cast<uint32_t>(c.buffer + 1);
   own->lamport_packs[c.block] = packs;
 }

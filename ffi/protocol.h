@@ -3,7 +3,8 @@
 // algorithms on top of both all_reduce.h.
 //
 // A backend supplies a memory policy `Mem` with:
-//   load_acquire(p), load_relaxed(p), store_release(p, v), fence(),
+//   load_acquire(p), load_relaxed(p), store_release(p, v),
+//   store_relaxed(p, v) (a counter the host may read meanwhile), fence(),
 //   claim(p) (atomically 0 -> 1, true for the one caller that did it),
 //   now_ns(), pause(), and for packs: load_staged(p) (a staged pack, after
 //   the barrier), load_volatile(p) (a pack a peer may be writing, each
@@ -71,7 +72,7 @@ B12X_HD bool channel_poisoned(const ChannelView& v) {
 // them, and the tag, before the flag, at system scope).
 template <class Mem>
 B12X_HD void arrive(const ChannelView& v, int block, int peer, uint32_t epoch, const CallTag& tag) {
-  v.signals[v.rank]->counter[block][peer] = epoch;
+  Mem::store_relaxed(&v.signals[v.rank]->counter[block][peer], epoch);  // read_host_calls reads it meanwhile
   v.signals[peer]->tag[epoch & 1][block][v.rank] = tag;
   Mem::fence();
   Mem::store_release(&v.signals[peer]->flag[epoch & 1][block][v.rank], epoch);

@@ -13,6 +13,9 @@ struct HostMem {
   static uint32_t load_acquire(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
   static uint32_t load_relaxed(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
   static void store_release(uint32_t* p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+  // The call counters, which stats (read_host_calls) reads on a Python
+  // thread while the progress thread runs calls: atomic, not plain.
+  static void store_relaxed(uint32_t* p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
   static void fence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
   static bool claim(uint32_t* p) {
     uint32_t expected = 0;

@@ -24,6 +24,9 @@ struct CudaMem {
   static __device__ __forceinline__ void store_release(uint32_t* p, uint32_t v) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
   }
+  // A block's own call counters: a plain store, as before (the host reads
+  // them with cudaMemcpy, after the stream's work).
+  static __device__ __forceinline__ void store_relaxed(uint32_t* p, uint32_t v) { *p = v; }
   // acq_rel, not sc (__threadfence_system): ordering the block's pushes
   // before its flag is all the protocol asks, and sc costs more.
   static __device__ __forceinline__ void fence() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
