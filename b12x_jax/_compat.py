@@ -175,6 +175,21 @@ def kv_set_bytes(key: str, value: bytes, *, overwrite: bool = False) -> None:
   distributed_client().key_value_set_bytes(key, value, allow_overwrite=overwrite)
 
 
+def kv_set_first(key: str, value: bytes) -> bytes | None:
+  """Publishes ``value`` under ``key`` unless some process published there
+  first: None where ``value`` is now the key's, else the value that was
+  (the store decides, so every process sees one value per key)."""
+  try:
+    distributed_client().key_value_set_bytes(key, value, allow_overwrite=False)
+    return None
+  except RuntimeError as e:
+    if "ALREADY_EXISTS" not in str(e):
+      raise
+  held = kv_try_get_bytes(key)
+  assert held is not None, key  # keys are never deleted
+  return held
+
+
 def kv_try_get_bytes(key: str) -> bytes | None:
   """The value of ``key`` now, or None if nobody published it."""
   try:
@@ -239,10 +254,15 @@ def order_shard_maps(effect_type: type) -> None:
   token out is kept for the next shard_map lowered into the same block of
   the same module (two shard_maps one after the other chain their calls, as
   calls in one body do); it ends there, unused, so no token leaves the
-  module. Checked on jax 0.11.2 and 0.12.0.1 (shardy and GSPMD lowerings
-  both read the body's tokens from ``ctx.tokens_in``)."""
+  module. The chain between shard_maps is the channel's (``effect.channel``),
+  whatever the axis: two meshes may name the same devices differently, and
+  their calls on one channel share its memory. A body's effects of one
+  channel (two axes of a mesh) start from its token and are joined after.
+  Checked on jax 0.11.2 and 0.12.0.1 (shardy and GSPMD lowerings both read
+  the body's tokens from ``ctx.tokens_in``)."""
   from jax._src import shard_map
   from jax._src.interpreters import mlir
+  from jax._src.lib.mlir.dialects import hlo
   entry = mlir._lowerings[shard_map.shard_map_p]
   inner = entry.rule
 
@@ -253,15 +273,18 @@ def order_shard_maps(effect_type: type) -> None:
       return inner(ctx, *in_nodes, jaxpr=jaxpr, mesh=mesh, **params)
     _note_abstract_mesh_devices(ctx, mesh)
     chains = _block_chains(ctx)
-    tokens = {e: chains.take(e) for e in own}
+    starts = {channel: chains.take(channel) for channel in sorted({e.channel for e in own})}
+    tokens = {e: starts[e.channel] for e in own}
     sub = ctx.replace(tokens_in=mlir.TokenSet({**dict(ctx.tokens_in.items()), **tokens}))
     outs = inner(sub, *in_nodes, jaxpr=jaxpr, mesh=mesh, **params)
-    passed = {}
+    passed, ends = {}, {}
     for e, token in (sub.tokens_out.items() if sub.tokens_out is not None else ()):
       if e in tokens:
-        chains.keep(e, token)
+        ends.setdefault(e.channel, []).append(token)
       else:
         passed[e] = token
+    for channel, end in ends.items():
+      chains.keep(channel, end[0] if len(end) == 1 else hlo.after_all(end))
     ctx.set_tokens_out(mlir.TokenSet(passed))
     return outs
 
@@ -323,27 +346,27 @@ def _subjaxprs(eqn) -> list:
 
 
 class _BlockChains:
-  """The last token of each effect's chain per block of one module being
+  """The last token of each channel's chain per block of one module being
   lowered, kept in the module context's ``cached_primitive_lowerings``,
   which every context of one module's lowering shares and which goes with
   it."""
 
   def __init__(self):
-    self._last: list[tuple] = []  # (block, effect, token)
+    self._last: list[tuple] = []  # (block, channel, token)
 
-  def take(self, effect):
+  def take(self, channel: str):
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import hlo
     block = ir.InsertionPoint.current.block
-    for i, (b, e, token) in enumerate(self._last):
-      if e == effect and b == block:
+    for i, (b, c, token) in enumerate(self._last):
+      if c == channel and b == block:
         del self._last[i]
         return token
     return hlo.create_token()
 
-  def keep(self, effect, token) -> None:
+  def keep(self, channel: str, token) -> None:
     from jax._src.lib.mlir import ir
-    self._last.append((ir.InsertionPoint.current.block, effect, token))
+    self._last.append((ir.InsertionPoint.current.block, channel, token))
 
 
 _CHAINS_KEY = ("b12x_jax", "block chains")

@@ -24,6 +24,7 @@ import contextlib
 import itertools
 import os
 import threading
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -118,9 +119,12 @@ class Communicator(CallPolicy):
       over one device stays a local merge. No effect on larger axes.
 
   Channel memory is never freed before the process ends, by ``close()``
-  and ``release()`` neither (there is no ``__del__``): compiled executables
-  and CUDA graphs may still hold its pointers (DESIGN C16). Preparing a
-  released group again with the same settings reuses its memory.
+  and ``release()`` neither: compiled executables and CUDA graphs may
+  still hold its pointers (DESIGN C16). Preparing a released group again
+  with the same settings reuses its memory. A Communicator that is
+  dropped without ``close()`` releases the channels it holds in this
+  process alone when it is garbage-collected; one shared with other
+  processes stays prepared (its release is collective).
   """
 
   def __init__(self, *, capacity_bytes: int = 8 * MiB, timeout_s: float = 10.0,
@@ -179,20 +183,28 @@ class Communicator(CallPolicy):
     self._preparations: dict[tuple[str, str, str, tuple[int, ...]], str] = {}
     self._records: dict[tuple[str, str], dict[int, bytes]] = {}
     self._agreed: set[str] = set()  # channels whose settings every process agreed on (_agree)
+    self._agree_lock = threading.Lock()
     self._closed = False
     self.generation = next(_generations)  # tells communicators apart in jit's cache key
     self._releases = 0
+    # A communicator dropped without close() takes its one-process groups out
+    # of use, so another may prepare their channels (a shared group's release
+    # is collective: it stays until close() in every process, or exit).
+    self._abandoned = weakref.finalize(self, _release_local_groups, self._groups, self._shared)
+    self._abandoned.atexit = False
 
   # -- agreement across processes (C17) -------------------------------------
 
   def _agree(self, channel: str) -> None:
     """Once per channel: this process's settings against every other's
-    (rendezvous.agree), before its first call on the channel takes a path."""
-    with self._lock:
+    (rendezvous.agree), before its first call on the channel takes a path.
+    Threads tracing at once agree one after the other: an agreement is a
+    session every process counts, so a second one for the same channel
+    would pair with another session of its peers."""
+    with self._agree_lock:
       if channel in self._agreed:
         return
-    rendezvous.agree(channel, self._settings(), range(jax.process_count()), self.setup_timeout_s)
-    with self._lock:
+      rendezvous.agree(channel, self._settings(), range(jax.process_count()), self.setup_timeout_s)
       self._agreed.add(channel)
 
   @property
@@ -452,8 +464,8 @@ class Communicator(CallPolicy):
     """Releases every channel, in sorted name order (collective where shared
     between processes: every process calls it). Harmless to call twice.
     Once a release times out, the rest wait for no peer: a dead peer costs
-    one ``setup_timeout_s``, not one per channel (a live peer of a later
-    release still finds this process's word and releases; this process
+    one ``setup_timeout_s``, not one per channel (a live peer's later
+    releases raise too, as each takes its channel out of use; this process
     raises the first error)."""
     with self._lock:
       errors = []
@@ -466,6 +478,7 @@ class Communicator(CallPolicy):
           if isinstance(e, CollectiveTimeoutError):
             timeout_s = 0.0
       self._closed = True
+      self._abandoned.detach()
       if errors:
         raise errors[0]
 
@@ -507,6 +520,14 @@ def _ordinals(group: Sequence) -> tuple[int, ...]:
   position in the axis group), -1 for a device of another process."""
   me = jax.process_index()
   return tuple(_compat.device_ordinal(d) if d.process_index == me else -1 for d in group)
+
+
+def _release_local_groups(groups: dict, shared: dict) -> None:
+  """Takes the channels of ``groups`` that no other process shares out of
+  use (a dropped Communicator's: its finalizer)."""
+  for platform, channel in list(groups):
+    if (platform, channel) not in shared:
+      _native.release(platform, channel)
 
 
 _active: Communicator | None = None

@@ -217,11 +217,20 @@ _sessions: collections.Counter[str] = collections.Counter()
 _sessions_lock = threading.Lock()
 
 
+# What a process that waited in vain for a peer's word of a step writes in
+# its place (no word of UTF-8 text starts with 0xFF): the peer, arriving
+# later, finds it and fails that step too (Session.gather).
+_GAVE_UP = b"\xffgave up: process "
+
+
 class Session:
   """One collective operation (``what``: a preparation or a release of one
   channel group) between ``processes``. Its keys live under a prefix no
   other session uses: the n-th session of ``what`` in every process, since
-  every process runs the same collective operations in the same order."""
+  every process runs the same collective operations in the same order.
+  Every process ends each step of a session alike, also where one arrives
+  after another gave up on it, so the n-th session stays the same one in
+  every process for the rest of the job (``gather``)."""
 
   def __init__(self, what: str, processes: Sequence[int], timeout_s: float, advice: str = _SETUP_ADVICE):
     with _sessions_lock:
@@ -252,8 +261,22 @@ class Session:
   def gather(self, step: str, word: bytes) -> dict[int, bytes]:
     """Publishes this process's ``word`` for ``step`` and returns every
     process's (process -> word), waiting at most the timeout for all. A
-    process that does not report is named with the last step it waited in."""
-    self.publish(f"{step}/p{self.me}", word)
+    process that does not report is named with the last step it waited in.
+
+    Each process's word of a step is written once, by it or, where a peer
+    waited in vain, by that peer as ``_GAVE_UP`` (the store takes the first
+    write): every process reads the same words, so all get through the
+    step or all raise CollectiveTimeoutError, also the late one, and the
+    sessions of the processes stay in step (a late process that took a word
+    its peer had given up on went on alone, its next sessions paired with
+    other ones of its peer, and every later step timed out)."""
+    held = _compat.kv_set_first(self._key(step, self.me), word)
+    if held is not None and held.startswith(_GAVE_UP):
+      raise self._timeout(step, f"process {held[len(_GAVE_UP):].decode()} gave up waiting for this process here "
+                                "before it arrived")
+    if held is not None:
+      raise ChannelError(f"b12x_jax: {self.what}: this process's word of step {step!r} was already published: two "
+                         "sessions of it under one name (one Communicator used from several threads at once?)")
     try:  # only for the diagnosis of a timeout: never fails the step
       _compat.kv_set_bytes(f"{_LAST_STEP}/p{self.me}", f"{self.what} #{self.prefix.rsplit('/', 1)[1]}, step "
                            f"{step!r}".encode(), overwrite=True)
@@ -261,12 +284,18 @@ class Session:
       pass
     words = {}
     for p in self.processes:
-      words[p] = _compat.kv_get_bytes(f"{self.prefix}/{step}/p{p}", self._remaining(step))
-      if words[p] is None:
+      got = _compat.kv_get_bytes(self._key(step, p), self._remaining(step))
+      if got is None:  # its word, had it come just now, else this process's giving up
+        got = _compat.kv_set_first(self._key(step, p), _GAVE_UP + str(self.me).encode()) or _GAVE_UP
+      if got.startswith(_GAVE_UP):
         last = _compat.kv_try_get_bytes(f"{_LAST_STEP}/p{p}")
         where = "none yet" if last is None else last.decode()
         raise self._timeout(step, f"process {p} did not report (the last b12x_jax step it entered: {where})")
+      words[p] = got
     return words
+
+  def _key(self, step: str, process: int) -> str:
+    return f"{self.prefix}/{step}/p{process}"
 
   def verdict(self, step: str, problem: BaseException | None) -> None:
     """The collective end of ``step``: publishes whether this process got
@@ -398,10 +427,12 @@ def _reuse(session: Session, platform: str, channel: str, partition: str, ordina
     problem = TransportError(f"b12x_jax: channel {channel!r}: released memory is still busy")
   try:
     session.verdict("reset", problem)
-  except (ChannelError, TransportError):
+  except B12xError as e:  # a timeout too: the group revived here serves no channel
     if revived:
       _native.retire(platform, candidate)
-    return False
+    if isinstance(e, (ChannelError, TransportError)):
+      return False
+    raise
   return True
 
 

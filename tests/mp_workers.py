@@ -700,6 +700,75 @@ def elsewhere_mode(args) -> dict:
   return {"message": None}
 
 
+def met_apart_mode(args) -> dict:
+  """The processes first call channels "a" and "b" in opposite orders (a
+  user error: the first of each waits for the other in vain), then both in
+  the same order, twice. Returns each round's outcome of each channel: the
+  hash of a right sum, or the error."""
+  import jax
+  import numpy as np
+
+  import b12x_jax
+  b12x_jax.set_communicator(b12x_jax.Communicator(setup_timeout_s=args.setup_timeout))
+  mesh = _mesh()
+  fn = _reducer(mesh, b12x_jax.all_reduce)
+  rounds = []
+  for i, order in enumerate((("a", "b") if jax.process_index() == 0 else ("b", "a"), ("a", "b"), ("a", "b"))):
+    outcomes = {}
+    for channel in order:
+      rng = np.random.default_rng([i, ord(channel)])  # the same shards in every process, whatever ran before
+      try:
+        with b12x_jax.channel(channel):
+          outcomes[channel] = _check(fn, mesh, rng, 64, "float32")
+      except b12x_jax.B12xError as e:
+        outcomes[channel] = f"{type(e).__name__}: {e}"
+    rounds.append(outcomes)
+  return {"rounds": rounds}
+
+
+def threads_trace_mode(args) -> dict:
+  """Process 0 lowers and compiles two functions on one channel in two
+  threads at once (a warm-up in a thread pool), process 1 one after the
+  other; then each runs both. Returns the errors and the hashes."""
+  import threading
+
+  import jax
+  import numpy as np
+
+  import b12x_jax
+  b12x_jax.set_communicator(b12x_jax.Communicator(setup_timeout_s=args.setup_timeout))
+  mesh = _mesh()
+  fns = [_reducer(mesh, lambda v, a, scale=scale: b12x_jax.all_reduce(v * scale, a)) for scale in (1.0, 2.0)]
+  shards = np.random.default_rng(13).standard_normal((mesh.size, 64)).astype(np.float32)
+  x = jax.make_array_from_process_local_data(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")),
+                                             shards[jax.process_index()])
+  compiled, errors = [None, None], []
+
+  def warm(i: int) -> None:
+    try:
+      with b12x_jax.channel("warm"):
+        compiled[i] = fns[i].lower(x).compile()
+    except b12x_jax.B12xError as e:
+      errors.append(f"{type(e).__name__}: {e}")
+
+  if jax.process_index() == 0:
+    threads = [threading.Thread(target=warm, args=(i,)) for i in range(2)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+  else:
+    warm(0)
+    warm(1)
+  if errors:
+    return {"errors": errors}
+  want = shards.astype(np.float64).sum(axis=0)
+  for scale, fn in zip((1.0, 2.0), compiled):
+    got = np.asarray(fn(x).addressable_shards[0].data)
+    np.testing.assert_allclose(got, scale * want, rtol=1e-5, atol=1e-5)
+  return {"errors": []}
+
+
 def close_twice_mode(args) -> dict:
   import numpy as np
 
@@ -1390,7 +1459,7 @@ def same_program_mode(args) -> dict:
 
 
 MODES = {"after_failure": after_failure_mode, "stale_replay": stale_replay_mode, "misplaced_export": misplaced_export_mode, "reuse_cycles": reuse_cycles_mode, "dies_preparing": dies_preparing_mode,
-         "capacity_edge": capacity_edge_mode, "loops": loops_mode, "same_program": same_program_mode, "drop_in": drop_in_mode, "all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode, "small_shm": small_shm_mode,
+         "capacity_edge": capacity_edge_mode, "loops": loops_mode, "same_program": same_program_mode, "drop_in": drop_in_mode, "all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode, "small_shm": small_shm_mode, "met_apart": met_apart_mode, "threads_trace": threads_trace_mode,
          "never_joins": never_joins_mode, "close_twice": close_twice_mode, "throwaway": throwaway_mode,
          "exit_pending": exit_pending_mode, "close_after_peer_died": close_after_peer_died_mode,
          "elsewhere": elsewhere_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,

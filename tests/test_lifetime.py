@@ -116,6 +116,23 @@ def test_the_first_function_of_a_process_is_traced_once():
   assert "TRACES 1 1" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 
+def test_a_communicator_dropped_without_close_leaves_its_channels_to_the_next(cpu_mesh):
+  # One made and prepared but never installed, then dropped: every later preparation of its channel,
+  # by any Communicator, raised "already prepared ... by another Communicator: close() the other one
+  # first", which nothing could do any more.
+  import gc
+  mesh = cpu_mesh(2)
+  dropped = b12x_jax.Communicator()
+  dropped.prepare(mesh, "x", channels=["dropped"])
+  del dropped
+  gc.collect()
+  with fresh_communicator() as comm, b12x_jax.channel("dropped"):
+    fn = jax.jit(jax.shard_map(lambda v: b12x_jax.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
+    shards = random_shards(np.random.default_rng(14), 2, 64, np.float32)
+    assert_sum_matches(np.asarray(fn(put_sharded(mesh, shards)))[None], shards, "float32")
+    assert comm.decisions[-1].path == "b12x" and comm.prepared_channels() == {"dropped": [(0, 1)]}
+
+
 def test_a_second_communicator_preparing_a_channel_the_first_holds_names_the_cause(cpu_mesh):
   # It said the device was "in another group of partition ...": the same group, held by another Communicator.
   # Where a released group of the same devices and settings was there to reuse, the second took it, and two

@@ -170,6 +170,30 @@ def test_a_timeout_names_the_step_the_missing_process_waits_in(multiprocess):
                      rf"prepare/cpu/{other}/\S+ #1, step 'reusable'\)", r["message"]), r
 
 
+def test_processes_that_met_at_different_channels_time_out_together_and_then_run(multiprocess):
+  # Each process numbers its sessions of a channel. A process that arrived after its peer had given
+  # up took the peer's word and went on alone (an agreement passed in one process, failed in the
+  # other); from then on the two paired different sessions and every later call timed out.
+  results = multiprocess("met_apart", 2, "--setup-timeout", "2", hard_timeout=180)
+  summed = lambda outcome: len(outcome) == 64  # noqa: E731  # a hash: the sum was right
+  first = [r["rounds"][0] for r in results]
+  for channel in ("a", "b"):  # ended alike in both: both right (the second, where the first gave up in time), or
+    outcomes = [f[channel] for f in first]  # both failed, one of them because its peer gave up on it
+    assert outcomes[0] == outcomes[1] if summed(outcomes[0]) else not summed(outcomes[1]), first
+  errors = [o for f in first for o in f.values() if not summed(o)]
+  assert errors and all(o.startswith("CollectiveTimeoutError: b12x_jax: agree/") for o in errors), first
+  assert any("gave up waiting for this process here before it arrived" in o for o in errors), first
+  for r in results:  # then every call of both rounds in the same order summed right, with identical bits
+    assert r["rounds"][1:] == results[0]["rounds"][1:] and all(map(summed, r["rounds"][1].values())), r
+
+
+def test_one_channel_traced_from_two_threads_at_once_agrees_once(multiprocess):
+  # Both threads found the channel not yet agreed and each began an agreement: this process counted
+  # two sessions where its peer counted one, and one of the compiles timed out.
+  for r in multiprocess("threads_trace", 2, "--setup-timeout", "5", hard_timeout=120):
+    assert r["errors"] == [], r
+
+
 @pytest.mark.parametrize("processes", [2, 3])
 def test_a_process_that_never_joins_gives_the_others_the_timeout_error(multiprocess, processes):
   *waiting, _ = multiprocess("never_joins", processes, "--setup-timeout", "2")

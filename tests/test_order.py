@@ -107,3 +107,39 @@ def test_shard_maps_one_after_the_other_chain_their_calls_also_in_a_jitted_layer
   assert len(chain) == 3, text
   for (previous, _), (_, operands) in zip(chain, chain[1:]):
     assert f"{previous}#0" in operands, text  # each takes the token the one before gave out
+
+
+def test_meshes_that_name_the_same_devices_differently_chain_one_channels_calls(cpu_mesh):
+  # The chain between shard_maps was kept per mesh axis name, the memory per device group: two
+  # meshes of the same devices under other names ran equal calls (equal tags) on one channel's memory
+  # with nothing but XLA's schedule between them.
+  devices = cpu_mesh(2).devices
+  meshes = [jax.sharding.Mesh(devices, (name,)) for name in ("a", "b", "a")]
+  layers = [jax.shard_map(lambda v, name=m.axis_names[0]: b12x_jax.all_reduce(v, name), mesh=m,
+                          in_specs=P(*m.axis_names), out_specs=P(*m.axis_names)) for m in meshes]
+  step = jax.jit(lambda *xs: [layer(x) for layer, x in zip(layers, xs)])
+  xs = [jax.ShapeDtypeStruct((2 * 64,), np.float32, sharding=jax.sharding.NamedSharding(m, P(*m.axis_names)))
+        for m in meshes]
+  with b12x_jax.channel("renamed"):
+    text = step.lower(*xs).as_text()
+  assert text.count("stablehlo.create_token") == 1, text
+  chain = _shard_map_chain(text)
+  assert len(chain) == 3, text
+  for (previous, _), (_, operands) in zip(chain, chain[1:]):
+    assert f"{previous}#0" in operands, text
+
+
+def test_one_body_calling_over_two_axes_on_one_channel_joins_their_tokens(cpu_mesh):
+  # A 2-D mesh: the body's calls over "x" and over "y" start from the channel's one token, and the
+  # next shard_map takes both of their ends.
+  mesh = jax.sharding.Mesh(np.array(cpu_mesh(4).devices).reshape(2, 2), ("x", "y"))
+  body = lambda v: b12x_jax.all_reduce(v, "x") + b12x_jax.all_reduce(v, "y")  # noqa: E731
+  layer = jax.shard_map(body, mesh=mesh, in_specs=P("x", "y"), out_specs=P(), check_vma=False)
+  step = jax.jit(lambda a, b: (layer(a), layer(b)))
+  x = jax.ShapeDtypeStruct((2 * 8, 2 * 8), np.float32, sharding=jax.sharding.NamedSharding(mesh, P("x", "y")))
+  with b12x_jax.channel("two_axes"):
+    text = step.lower(x, x).as_text()
+  assert text.count("stablehlo.create_token") == 1 and text.count("stablehlo.after_all") == 2, text
+  first, second = _shard_map_chain(text)
+  joined = re.search(rf"(%[\w]+) = stablehlo.after_all {re.escape(first[0])}#0, {re.escape(first[0])}#1", text)
+  assert joined and joined.group(1) in second[1], text
