@@ -186,7 +186,8 @@ def kv_set_first(key: str, value: bytes) -> bytes | None:
     if "ALREADY_EXISTS" not in str(e):
       raise
   held = kv_try_get_bytes(key)
-  assert held is not None, key  # keys are never deleted
+  if held is None:  # keys are never deleted
+    raise RuntimeError(f"b12x_jax: key {key!r} exists and cannot be read")
   return held
 
 

@@ -257,15 +257,16 @@ def open_peer(pending, rank: int, exported: bytes) -> None:
     raise TransportError(f"b12x_jax: opening rank {rank}'s memory failed: {e}") from None
 
 
-def release(platform: str, channel: str) -> None:
-  """Takes the channel out of use once this process's calls queued on it are
-  done (CUDA groups have their kernels on the device; host groups wait,
-  bounded, for the progress thread). Its memory stays for the life of the
+def release(platform: str, channel: str, groups: list[tuple[str, tuple[int, ...]]]) -> None:
+  """Takes the channel's ``groups`` ((partition, ordinals) each: a
+  Communicator's own) out of use once this process's calls queued on them
+  are done (CUDA groups have their kernels on the device; host groups wait,
+  bounded, for the progress thread). Their memory stays for the life of the
   process, since a cached executable or CUDA graph may still point at it
   (DESIGN C16); the next preparation of the same group reuses it.
   CollectiveTimeoutError if calls are still queued after the bound."""
   try:
-    _b12x.release(platform, channel)
+    _b12x.release(platform, channel, [(partition, list(ordinals)) for partition, ordinals in groups])
   except RuntimeError as e:
     raise CollectiveTimeoutError(str(e)) from None
 

@@ -183,14 +183,15 @@ class Communicator(CallPolicy):
     self._preparations: dict[tuple[str, str, str, tuple[int, ...]], str] = {}
     self._records: dict[tuple[str, str], dict[int, bytes]] = {}
     self._agreed: set[str] = set()  # channels whose settings every process agreed on (_agree)
-    self._agree_lock = threading.Lock()
+    self._agreeing: dict[str, threading.Lock] = {}  # channel -> the lock its agreement is made under
+    self._preparing: dict[tuple[str, str], threading.Lock] = {}  # (platform, channel) -> its preparations' lock
     self._closed = False
     self.generation = next(_generations)  # tells communicators apart in jit's cache key
     self._releases = 0
     # A communicator dropped without close() takes its one-process groups out
     # of use, so another may prepare their channels (a shared group's release
     # is collective: it stays until close() in every process, or exit).
-    self._abandoned = weakref.finalize(self, _release_local_groups, self._groups, self._shared)
+    self._abandoned = weakref.finalize(self, _release_local_groups, self._groups)
     self._abandoned.atexit = False
 
   # -- agreement across processes (C17) -------------------------------------
@@ -198,14 +199,22 @@ class Communicator(CallPolicy):
   def _agree(self, channel: str) -> None:
     """Once per channel: this process's settings against every other's
     (rendezvous.agree), before its first call on the channel takes a path.
-    Threads tracing at once agree one after the other: an agreement is a
-    session every process counts, so a second one for the same channel
-    would pair with another session of its peers."""
-    with self._agree_lock:
+    Threads tracing one channel at once agree one after the other: an
+    agreement is a session every process counts, so a second one would
+    pair with another session of its peers. Channels agree apart: a lock
+    for all would let two processes whose threads took two channels in
+    opposite orders wait for each other until both time out."""
+    with self._lock:
       if channel in self._agreed:
         return
+      agreeing = self._agreeing.setdefault(channel, threading.Lock())
+    with agreeing:
+      with self._lock:
+        if channel in self._agreed:
+          return
       rendezvous.agree(channel, self._settings(), range(jax.process_count()), self.setup_timeout_s)
-      self._agreed.add(channel)
+      with self._lock:
+        self._agreed.add(channel)
 
   @property
   def lamport_window(self) -> int:
@@ -316,13 +325,20 @@ class Communicator(CallPolicy):
     ordinals = _ordinals(group)
     if all(o < 0 for o in ordinals):
       return
+    if len({d.id for d in group}) != len(group):
+      raise ChannelError(f"b12x_jax: device group {[d.id for d in group]} names a device twice")
+    # One channel's preparations one after the other, each channel's apart:
+    # a preparation shared between processes waits for its peers, and two
+    # processes whose threads took two channels in opposite orders would
+    # each hold one lock for all while the other waits for it.
     with self._lock:
-      if self._closed:
-        raise ChannelError("b12x_jax: this Communicator is closed; make a new one (b12x_jax.set_communicator)")
-      if (partition, ordinals) in self._groups.get((platform, channel), ()):
-        return
-      if len({d.id for d in group}) != len(group):
-        raise ChannelError(f"b12x_jax: device group {[d.id for d in group]} names a device twice")
+      preparing = self._preparing.setdefault((platform, channel), threading.Lock())
+    with preparing:
+      with self._lock:
+        if self._closed:
+          raise ChannelError("b12x_jax: this Communicator is closed; make a new one (b12x_jax.set_communicator)")
+        if (partition, ordinals) in self._groups.get((platform, channel), ()):
+          return
       processes = {d.process_index for d in group}
       # Processes reach a channel's first call apart (compilation, weight
       # loading); the devices of one process start an executable together.
@@ -331,11 +347,13 @@ class Communicator(CallPolicy):
         _native.prepare(platform, channel, partition, list(ordinals), options)
       else:
         group_key = "-".join(str(d.id) for d in group)  # global ids: the same name in every process
-        self._preparations[(platform, channel, partition, ordinals)] = rendezvous.prepare_shared(
-            platform, channel, partition, group_key, processes, list(ordinals), options, self._settings(),
-            self.setup_timeout_s)
-        self._shared.setdefault((platform, channel), set()).update(processes)
-      self._groups.setdefault((platform, channel), []).append((partition, ordinals))
+        preparation = rendezvous.prepare_shared(platform, channel, partition, group_key, processes, list(ordinals),
+                                                options, self._settings(), self.setup_timeout_s)
+      with self._lock:
+        if len(processes) > 1:
+          self._preparations[(platform, channel, partition, ordinals)] = preparation
+          self._shared.setdefault((platform, channel), set()).update(processes)
+        self._groups.setdefault((platform, channel), []).append((partition, ordinals))
 
   def exchange_records(self, channel: str, partition: str, group: Sequence, kind: str,
                        local: dict[int, bytes]) -> dict[int, bytes]:
@@ -449,15 +467,15 @@ class Communicator(CallPolicy):
       for platform, name in list(self._groups):
         if name != channel:
           continue
-        del self._groups[(platform, name)]
+        groups = self._groups.pop((platform, name))
         for key in [k for k in self._preparations if k[:2] == (platform, name)]:
           preparation = self._preparations.pop(key)
           self._records = {k: r for k, r in self._records.items() if k[0] != preparation}
         processes = self._shared.pop((platform, name), None)
         if processes is None:
-          _native.release(platform, channel)
+          _native.release(platform, channel, groups)
         else:
-          rendezvous.release_shared(platform, channel, processes, timeout_s)
+          rendezvous.release_shared(platform, channel, groups, processes, timeout_s)
     return True
 
   def close(self) -> None:
@@ -522,12 +540,13 @@ def _ordinals(group: Sequence) -> tuple[int, ...]:
   return tuple(_compat.device_ordinal(d) if d.process_index == me else -1 for d in group)
 
 
-def _release_local_groups(groups: dict, shared: dict) -> None:
-  """Takes the channels of ``groups`` that no other process shares out of
-  use (a dropped Communicator's: its finalizer)."""
-  for platform, channel in list(groups):
-    if (platform, channel) not in shared:
-      _native.release(platform, channel)
+def _release_local_groups(groups: dict) -> None:
+  """Takes the groups of ``groups`` (a dropped Communicator's: its
+  finalizer) that no other process shares out of use."""
+  for (platform, channel), held in list(groups.items()):
+    local = [(partition, ordinals) for partition, ordinals in held if min(ordinals) >= 0]
+    if local:
+      _native.release(platform, channel, local)
 
 
 _active: Communicator | None = None

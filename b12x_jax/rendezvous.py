@@ -272,8 +272,9 @@ class Session:
     other ones of its peer, and every later step timed out)."""
     held = _compat.kv_set_first(self._key(step, self.me), word)
     if held is not None and held.startswith(_GAVE_UP):
-      raise self._timeout(step, f"process {held[len(_GAVE_UP):].decode()} gave up waiting for this process here "
-                                "before it arrived")
+      raise CollectiveTimeoutError(
+          f"b12x_jax: {self.what}: step {step!r} failed in process {self.me}, which arrived after process "
+          f"{held[len(_GAVE_UP):].decode()} had given up waiting {self.timeout_s:g} s for it. {self.advice}")
     if held is not None:
       raise ChannelError(f"b12x_jax: {self.what}: this process's word of step {step!r} was already published: two "
                          "sessions of it under one name (one Communicator used from several threads at once?)")
@@ -480,18 +481,20 @@ def fetch_records(preparation: str, kind: str, ranks: Sequence[int], timeout_s: 
   return out
 
 
-def release_shared(platform: str, channel: str, processes: Sequence[int], timeout_s: float) -> None:
-  """Releases every group of ``channel`` on ``platform`` in this process,
-  collectively with ``processes``: a verdict once every process stopped
-  issuing work on the channel, then each takes it out of use. Nothing is
-  unmapped or freed: a cached executable or CUDA graph of any process may
-  still point at the memory, its own or a peer's (DESIGN C16); a later
-  preparation of the same devices and settings reuses it (``_reuse``)."""
+def release_shared(platform: str, channel: str, groups: list[tuple[str, tuple[int, ...]]], processes: Sequence[int],
+                   timeout_s: float) -> None:
+  """Releases ``groups`` ((partition, ordinals) each) of ``channel`` on
+  ``platform`` in this process, collectively with ``processes``: a verdict
+  once every process stopped issuing work on the channel, then each takes
+  its groups out of use. Nothing is unmapped or freed: a cached executable
+  or CUDA graph of any process may still point at the memory, its own or a
+  peer's (DESIGN C16); a later preparation of the same devices and
+  settings reuses it (``_reuse``)."""
   session = Session(f"release/{platform}/{channel}", processes, timeout_s)
   try:
     session.verdict("drained", None)
   finally:
-    _native.release(platform, channel)
+    _native.release(platform, channel, groups)
 
 
 def _attempt(fn):

@@ -353,14 +353,15 @@ NB_MODULE(_b12x, m) {
   }, nb::arg("platform"), nb::arg("exported"),
      "Unlinks the name in a peer's export where it has one (shared memory): a failed preparation leaves none.");
 
-  m.def("release", [](const std::string& platform, const std::string& channel) {
+  m.def("release", [](const std::string& platform, const std::string& channel,
+                       const std::vector<std::pair<std::string, std::vector<int>>>& groups) {
     const Platform parsed = parse_platform(platform);
     nb::gil_scoped_release unlocked;  // as shutdown_host_progress
-    return Registry::get().release(parsed, channel);
-  }, nb::arg("platform"), nb::arg("channel"),
-     "Takes every group of the channel on the platform out of use once its queued work is done; its memory "
-     "stays for the life of the process (executables may point at it) and is reused by the next preparation "
-     "of the same group. Returns how many groups there were.");
+    return Registry::get().release(parsed, channel, groups);
+  }, nb::arg("platform"), nb::arg("channel"), nb::arg("groups"),
+     "Takes the groups of the channel on the platform over `groups` ((partition, ordinals) each) out of use "
+     "once their queued work is done; their memory stays for the life of the process (executables may point "
+     "at it) and is reused by the next preparation of the same group. Returns how many groups there were.");
 
   m.def("stats", [](const std::string& platform, const std::string& channel, int ordinal) {
     const RankHandle h = find_or_throw(platform, channel, ordinal);

@@ -138,13 +138,20 @@ std::string Registry::local_preparation() {
   return "local/" + std::to_string(++local_preparations_);
 }
 
-size_t Registry::release(Platform platform, std::string_view channel) {
+size_t Registry::release(Platform platform, std::string_view channel,
+                         const std::vector<std::pair<std::string, std::vector<int>>>& groups) {
+  const auto listed = [&groups](const ChannelGroup& group) {
+    for (const auto& [partition, ordinals] : groups) {
+      if (group.partition() == partition && group.ordinals() == ordinals) return true;
+    }
+    return false;
+  };
   std::vector<ChannelGroup*> releasing;
   {
     std::unique_lock lock(mutex_);
     std::vector<std::unique_ptr<ChannelGroup>> kept;
     for (auto& group : groups_) {
-      if (group->platform() == platform && group->channel() == channel) {
+      if (group->platform() == platform && group->channel() == channel && listed(*group)) {
         releasing.push_back(group.get());
         released_.push_back(std::move(group));
       } else {

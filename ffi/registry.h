@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "channel.h"
@@ -201,13 +202,16 @@ class Registry {
   RankHandle find(Platform platform, std::string_view channel, std::string_view partition, int ordinal) const;
   // find, for a handler: see RankLease.
   RankLease lease(Platform platform, std::string_view channel, std::string_view partition, int ordinal) const;
-  // Takes every group of `channel` on `platform` out of use (handlers no
-  // longer find it) and waits until no queued work can touch it. Its memory
-  // stays, for the life of the process (DESIGN C16): a cached executable or
-  // CUDA graph may still point at it, and a later preparation of the same
-  // group reuses it. Returns how many groups it released; throws
-  // std::runtime_error naming the groups whose work is still queued.
-  size_t release(Platform platform, std::string_view channel);
+  // Takes the groups of `channel` on `platform` over `groups` (partition,
+  // ordinals: a Communicator's own; another may hold the channel on other
+  // devices) out of use (handlers no longer find them) and waits until no
+  // queued work can touch them. Their memory stays, for the life of the
+  // process (DESIGN C16): a cached executable or CUDA graph may still point
+  // at it, and a later preparation of the same group reuses it. Returns how
+  // many groups it released; throws std::runtime_error naming the groups
+  // whose work is still queued.
+  size_t release(Platform platform, std::string_view channel,
+                 const std::vector<std::pair<std::string, std::vector<int>>>& groups);
   // The installed groups. The pointers stay valid after the lock is dropped
   // (stats, pending_errors): an installed group is never destroyed, only
   // released (DESIGN C16).

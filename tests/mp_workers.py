@@ -727,10 +727,14 @@ def met_apart_mode(args) -> dict:
 
 
 def threads_trace_mode(args) -> dict:
-  """Process 0 lowers and compiles two functions on one channel in two
-  threads at once (a warm-up in a thread pool), process 1 one after the
-  other; then each runs both. Returns the errors and the hashes."""
+  """Two functions lowered and compiled in two threads (a warm-up in a
+  thread pool), then run, the same order in every process. ``--op
+  all_reduce``: both on one channel, at once in process 0, one after the
+  other in process 1; ``--op all_reduce_site``: on channels "a" and "b",
+  the second thread 0.3 s after the first, which takes "a" in process 0
+  and "b" in process 1. Returns the errors."""
   import threading
+  import time
 
   import jax
   import numpy as np
@@ -738,20 +742,26 @@ def threads_trace_mode(args) -> dict:
   import b12x_jax
   b12x_jax.set_communicator(b12x_jax.Communicator(setup_timeout_s=args.setup_timeout))
   mesh = _mesh()
-  fns = [_reducer(mesh, lambda v, a, scale=scale: b12x_jax.all_reduce(v * scale, a)) for scale in (1.0, 2.0)]
+  crossed = args.op == "all_reduce_site"
+  scales = {"a": 1.0, "b": 2.0} if crossed else {"warm 1": 1.0, "warm 2": 2.0}
+  fns = {name: _reducer(mesh, lambda v, a, scale=scale: b12x_jax.all_reduce(v * scale, a))
+         for name, scale in scales.items()}
   shards = np.random.default_rng(13).standard_normal((mesh.size, 64)).astype(np.float32)
   x = jax.make_array_from_process_local_data(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")),
                                              shards[jax.process_index()])
-  compiled, errors = [None, None], []
+  order = list(scales) if jax.process_index() == 0 or not crossed else list(reversed(scales))
+  compiled, errors = {}, []
 
   def warm(i: int) -> None:
+    name = order[i]
     try:
-      with b12x_jax.channel("warm"):
-        compiled[i] = fns[i].lower(x).compile()
+      time.sleep(0.3 * i if crossed else 0.0)
+      with b12x_jax.channel(name if crossed else "warm"):
+        compiled[name] = fns[name].lower(x).compile()
     except b12x_jax.B12xError as e:
       errors.append(f"{type(e).__name__}: {e}")
 
-  if jax.process_index() == 0:
+  if jax.process_index() == 0 or crossed:
     threads = [threading.Thread(target=warm, args=(i,)) for i in range(2)]
     for t in threads:
       t.start()
@@ -763,10 +773,48 @@ def threads_trace_mode(args) -> dict:
   if errors:
     return {"errors": errors}
   want = shards.astype(np.float64).sum(axis=0)
-  for scale, fn in zip((1.0, 2.0), compiled):
-    got = np.asarray(fn(x).addressable_shards[0].data)
+  for name, scale in scales.items():
+    got = np.asarray(compiled[name](x).addressable_shards[0].data)
     np.testing.assert_allclose(got, scale * want, rtol=1e-5, atol=1e-5)
   return {"errors": []}
+
+
+def slow_reset_mode(args) -> dict:
+  """Four rounds of one call on channel "a", released after the first: the
+  second reuses the released memory, and the last process resets its part
+  (_native.revive) later than the others wait for it. Returns each round's
+  hash of a right sum, or its error."""
+  import time
+
+  import jax
+  import numpy as np
+
+  import b12x_jax
+  from b12x_jax import _native, rendezvous
+  comm = b12x_jax.Communicator(setup_timeout_s=args.setup_timeout)
+  b12x_jax.set_communicator(comm)
+  if jax.process_index() == jax.process_count() - 1:
+    revive, revived = _native.revive, []
+
+    def slow(*a, **k):
+      revived.append(1)
+      if len(revived) == 1:
+        time.sleep(args.setup_timeout + 1)
+      return revive(*a, **k)
+
+    rendezvous._native.revive = slow
+  mesh = _mesh()
+  fn = _reducer(mesh, b12x_jax.all_reduce)
+  rounds = []
+  for i in range(4):
+    try:
+      with b12x_jax.channel("a"):
+        rounds.append(_check(fn, mesh, np.random.default_rng([14, i]), 64, "float32"))
+    except b12x_jax.B12xError as e:
+      rounds.append(f"{type(e).__name__}: {e}")
+    if i == 0:
+      comm.release("a")
+  return {"rounds": rounds}
 
 
 def close_twice_mode(args) -> dict:
@@ -1459,7 +1507,7 @@ def same_program_mode(args) -> dict:
 
 
 MODES = {"after_failure": after_failure_mode, "stale_replay": stale_replay_mode, "misplaced_export": misplaced_export_mode, "reuse_cycles": reuse_cycles_mode, "dies_preparing": dies_preparing_mode,
-         "capacity_edge": capacity_edge_mode, "loops": loops_mode, "same_program": same_program_mode, "drop_in": drop_in_mode, "all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode, "small_shm": small_shm_mode, "met_apart": met_apart_mode, "threads_trace": threads_trace_mode,
+         "capacity_edge": capacity_edge_mode, "loops": loops_mode, "same_program": same_program_mode, "drop_in": drop_in_mode, "all_reduce": all_reduce_mode, "dcp": dcp_mode, "order": order_mode, "failed_prepare": failed_prepare_mode, "small_shm": small_shm_mode, "met_apart": met_apart_mode, "threads_trace": threads_trace_mode, "slow_reset": slow_reset_mode,
          "never_joins": never_joins_mode, "close_twice": close_twice_mode, "throwaway": throwaway_mode,
          "exit_pending": exit_pending_mode, "close_after_peer_died": close_after_peer_died_mode,
          "elsewhere": elsewhere_mode, "killed_peer": killed_peer_mode, "settings": settings_mode,

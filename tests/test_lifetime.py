@@ -133,6 +133,31 @@ def test_a_communicator_dropped_without_close_leaves_its_channels_to_the_next(cp
     assert comm.decisions[-1].path == "b12x" and comm.prepared_channels() == {"dropped": [(0, 1)]}
 
 
+def test_releasing_a_channel_takes_only_the_communicators_own_groups(cpu_mesh):
+  # A release took every group of the channel's name in the process: a dropped Communicator,
+  # collected late, took another's group of the same channel on other devices, whose calls then
+  # raised "not prepared".
+  import gc
+  devices = jax.devices("cpu")
+  low, high = (jax.sharding.Mesh(np.array(devices[i:i + 2]), ("x",)) for i in (0, 2))
+  dropped = b12x_jax.Communicator()
+  dropped.prepare(low, "x", channels=["shared_name"])
+  dropped.cycle = dropped  # collected only by gc.collect(), after the other prepared
+  del dropped
+  with fresh_communicator() as comm, b12x_jax.channel("shared_name"):
+    comm.prepare(high, "x", channels=["shared_name"])
+    gc.collect()
+    assert comm.stats("shared_name", devices[2])["world"] == 2
+    fn = jax.jit(jax.shard_map(lambda v: b12x_jax.all_reduce(v, "x"), mesh=high, in_specs=P("x"), out_specs=P()))
+    shards = random_shards(np.random.default_rng(15), 2, 64, np.float32)
+    assert_sum_matches(np.asarray(fn(put_sharded(high, shards)))[None], shards, "float32")
+    assert comm.decisions[-1].path == "b12x"
+    other = b12x_jax.Communicator()
+    other.prepare(low, "x", channels=["shared_name"])  # the dropped one's group was released: free to take
+    other.close()  # and its close leaves comm's group in use
+    assert_sum_matches(np.asarray(fn(put_sharded(high, shards)))[None], shards, "float32")
+
+
 def test_a_second_communicator_preparing_a_channel_the_first_holds_names_the_cause(cpu_mesh):
   # It said the device was "in another group of partition ...": the same group, held by another Communicator.
   # Where a released group of the same devices and settings was there to reuse, the second took it, and two

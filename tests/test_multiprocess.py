@@ -182,15 +182,35 @@ def test_processes_that_met_at_different_channels_time_out_together_and_then_run
     assert outcomes[0] == outcomes[1] if summed(outcomes[0]) else not summed(outcomes[1]), first
   errors = [o for f in first for o in f.values() if not summed(o)]
   assert errors and all(o.startswith("CollectiveTimeoutError: b12x_jax: agree/") for o in errors), first
-  assert any("gave up waiting for this process here before it arrived" in o for o in errors), first
+  assert any(re.search(r"failed in process \d, which arrived after process \d had given up waiting 2 s for it", o)
+             for o in errors), first
   for r in results:  # then every call of both rounds in the same order summed right, with identical bits
     assert r["rounds"][1:] == results[0]["rounds"][1:] and all(map(summed, r["rounds"][1].values())), r
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_a_reset_of_reused_memory_that_times_out_fails_everywhere_and_the_next_call_runs(multiprocess, processes):
+  # The process whose reset came late kept the group it had revived in use, with no Communicator
+  # holding it.
+  results = multiprocess("slow_reset", processes, "--setup-timeout", "2", hard_timeout=180)
+  for r in results:
+    first, reset, *later = r["rounds"]
+    assert len(first) == 64 and all(len(h) == 64 for h in later), r  # hashes: right sums
+    assert reset.startswith("CollectiveTimeoutError: b12x_jax: prepare/cpu/a/") and "'reset'" in reset, r
+  assert all(r["rounds"][2:] == results[0]["rounds"][2:] for r in results)  # identical bits
 
 
 def test_one_channel_traced_from_two_threads_at_once_agrees_once(multiprocess):
   # Both threads found the channel not yet agreed and each began an agreement: this process counted
   # two sessions where its peer counted one, and one of the compiles timed out.
   for r in multiprocess("threads_trace", 2, "--setup-timeout", "5", hard_timeout=120):
+    assert r["errors"] == [], r
+
+
+def test_two_channels_traced_from_threads_in_opposite_orders_in_two_processes_both_run(multiprocess):
+  # One lock for every channel's agreement (or preparation), held while it waits for the peers: each
+  # process held it for the channel its peer would take second, and both timed out on both.
+  for r in multiprocess("threads_trace", 2, "--setup-timeout", "4", "--op", "all_reduce_site", hard_timeout=120):
     assert r["errors"] == [], r
 
 
