@@ -36,8 +36,9 @@ if not triton.__version__.startswith(sys.argv[3]):
   sys.exit(0)
 path, warps = sys.argv[1], int(sys.argv[2])
 kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
-with open(path + ".ttgir", "w") as f:
-  f.write(kernel.asm["ttgir"])
+for kind in ("ttgir", "ptx"):
+  with open(path + "." + kind, "w") as f:
+    f.write(kernel.asm[kind])
 print("compiled", triton.__version__, len(kernel.asm["cubin"]))
 """
 
@@ -131,3 +132,8 @@ def test_every_triton_kernel_compiles_for_an_h200(monkeypatch, tmp_path, name):
   assert store in triton.exchange._STORE
   stores = _copies_of_a_stored_element((tmp_path / "kernel.ttir.ttgir").read_text(), store)
   assert stores and all(copies == 1 for _, copies in stores), stores
+  # A split row's poll acquires its meeting word once a thread. An acquire whose inline asm differs
+  # between a thread's elements (a share's address beside it, as a candidate had) is issued once per
+  # element the thread holds, one round trip after the other: 8 in this kernel.
+  ptx = (tmp_path / "kernel.ttir.ptx").read_text()
+  assert ptx.count("ld.acquire.gpu") == (1 if name == "fused, a row over 4 programs" else 0), ptx.count("ld.acquire")
