@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import b12x_jax
+from b12x_jax import _compat
 from conftest import run_worker
 from helpers import (DTYPES, RTOL, assert_merge_matches, assert_sum_matches, attention_shards, fresh_communicator,
                      installed, mount_namespace, put_sharded, random_shards)
@@ -156,6 +157,36 @@ def test_an_empty_payload_gives_an_empty_result_and_leaves_the_channel_usable(cp
   for _ in range(2):  # both staging slots
     out = _all_reduce(mesh, np.zeros((2, 0), np.float32), shape=shape)
     assert out.shape == (2, 0)
+  _assert_still_usable(mesh)
+
+
+def test_an_empty_leaf_beside_a_full_one_sums_right_and_has_psums_type(cpu_mesh):
+  # An empty psum beside another all-reduce segfaults XLA:CPU (jax 0.11.2): the empty sum runs no collective.
+  mesh = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices("cpu")[:4])
+  shards = random_shards(np.random.default_rng(5), 2, 64, np.float32)
+
+  def step(a, e, grid):
+    return b12x_jax.all_reduce((a, e), "x"), b12x_jax.all_reduce(grid, "x")
+
+  fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("x"), P("x"), P("x", "y")),
+                             out_specs=((P(), P()), P(None, "y"))))
+  grid = jax.device_put(np.zeros((2, 2, 0), np.float32), NamedSharding(mesh, P("x", "y")))
+  with b12x_jax.channel(_channel(mesh)):
+    for _ in range(2):  # both staging slots
+      (total, empty), empty_grid = fn(put_sharded(mesh, shards), put_sharded(mesh, np.zeros((2, 0))), grid)
+      assert_sum_matches(np.asarray(total).reshape(1, 64), shards, "float32")
+      assert empty.shape == (0,) and empty.dtype == np.float32
+      assert empty_grid.shape == (1, 2, 0)
+  seen = []  # traced only: the empty psum beside the other all-reduce is what segfaults
+
+  def types(g):
+    ours, theirs = b12x_jax.all_reduce(g, "x"), jax.lax.psum(g, "x")
+    seen.append((jax.typeof(ours), jax.typeof(theirs)))
+    return ours
+
+  jax.jit(jax.shard_map(types, mesh=mesh, in_specs=P("x", "y"), out_specs=P(None, "y"))).trace(grid)
+  (ours, theirs), = seen
+  assert ours == theirs and _compat.varying_axes(ours) == {"y"}, (ours, theirs)
   _assert_still_usable(mesh)
 
 

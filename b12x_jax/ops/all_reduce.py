@@ -171,7 +171,9 @@ def _all_reduce_leaf(x: jax.Array, axis_name, axis_index_groups, channel: str | 
   psum = lambda: jax.lax.psum(x, axis_name, axis_index_groups=axis_index_groups)  # noqa: E731
   comm = get_communicator()
   symbolic = why_not_concrete("x", x)
-  if (symbolic is None and x.size == 0) or (all(s == 1 for s in sizes) and not comm.loopback):
+  if symbolic is None and x.size == 0:
+    return _empty_sum(x, axes)
+  if all(s == 1 for s in sizes) and not comm.loopback:
     return psum()  # nothing crosses a link; psum's type (invariant over the axis)
   why_not = _why_psum_only(axes, axis_index_groups) or symbolic
   if why_not is not None:
@@ -187,6 +189,15 @@ def _all_reduce_leaf(x: jax.Array, axis_name, axis_index_groups, channel: str | 
     return psum()
   return all_reduce_p.bind(x, axis_name=axis, channel=name, algorithm=np.int32(_ALGORITHM_CODES[algorithm]),
                            kernel=decision.kernel, site=call_site(_OP))
+
+
+def _empty_sum(x: jax.Array, axes: tuple) -> jax.Array:
+  """The sum of an empty ``x`` over ``axes``: an empty array of psum's type
+  (varying over x's other axes), with no collective (XLA:CPU segfaults on
+  an empty psum beside another all-reduce)."""
+  varying = tuple(sorted(_compat.varying_axes(jax.typeof(x)) - set(axes), key=str))
+  empty = jnp.zeros(x.shape, x.dtype)  # varies over no axis
+  return jax.lax.pcast(empty, varying, to="varying") if varying else empty
 
 
 def _why_psum_only(axes: tuple, axis_index_groups) -> tuple[str, str] | None:
