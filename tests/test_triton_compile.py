@@ -136,4 +136,5 @@ def test_every_triton_kernel_compiles_for_an_h200(monkeypatch, tmp_path, name):
   # between a thread's elements (a share's address beside it, as a candidate had) is issued once per
   # element the thread holds, one round trip after the other: 8 in this kernel.
   ptx = (tmp_path / "kernel.ttir.ptx").read_text()
-  assert ptx.count("ld.acquire.gpu") == (1 if name == "fused, a row over 4 programs" else 0), ptx.count("ld.acquire")
+  acquires = ptx.count("ld.acquire.gpu")
+  assert acquires == (1 if name == "fused, a row over 4 programs" else 0), f"{acquires} ld.acquire.gpu in the PTX"
