@@ -426,7 +426,7 @@ def _record_inline_asm(monkeypatch) -> list[tuple[int, list]]:
 
 def _assert_one_thread_per_polled_element(warps: int, asms: list) -> None:
   from b12x_jax import kernels as triton
-  polled = {triton.exchange._LOAD, triton.exchange._LOAD_IF, triton.exchange._CLOCK, triton.exchange._LOAD_MET, triton.exchange._ARRIVE}
+  polled = {triton.exchange._LOAD, triton.exchange._LOAD_IF, triton.exchange._CLOCK, triton.exchange._LOAD_ACQUIRE, triton.exchange._ARRIVE}
   shapes = {shape for code, shape in asms if code in polled}
   assert shapes and all(len(shape) == 1 and shape[0] >= 32 * warps for shape in shapes), (warps, shapes)
   assert {code for code, _ in asms} <= polled | {triton.exchange._LOAD_ARRIVED, triton.exchange._LOAD_OWN, triton.exchange._STORE,
@@ -440,7 +440,7 @@ def test_a_row_over_several_programs_lowers_with_their_meeting(monkeypatch):
   # Host channels have one block, so the program above never splits a row: the kernel of a
   # 64-block plan, lowered on its own. Each of the 4 programs of the row publishes its share
   # and adds to the row's meeting word (release), waits for the others' (acquire), reading the shares in
-  # the same polls.
+  # the poll that finds them all arrived.
   from b12x_jax import kernels as triton
   plan = triton.rows_plan(_plan(cell_words=8192), 2, 4 * 4096, "bfloat16", 0)
   assert plan.split == 4 and plan.grid == 8
@@ -453,7 +453,7 @@ def test_a_row_over_several_programs_lowers_with_their_meeting(monkeypatch):
   assert text.count('@__gpu$xla.gpu.triton') == 1 and "grid_x = 8" in text
   ((warps, asms),) = kernels
   codes = [code for code, _ in asms]
-  assert codes.count(triton.exchange._ARRIVE) == 1 and codes.count(triton.exchange._LOAD_MET) == 1
+  assert codes.count(triton.exchange._ARRIVE) == 1 and codes.count(triton.exchange._LOAD_ACQUIRE) == 1
   _assert_one_thread_per_polled_element(warps, asms)
 
 

@@ -67,24 +67,13 @@ OWN_WORDS = ("lamport_buffer", "lamport_calls", "lamport_packs", "served")
 # The same where $4 is non-zero, else 0 without touching memory ($5: the dependency).
 _LOAD_IF = ("{ .reg .b64 a; .reg .b64 o; .reg .pred p; setp.ne.u32 p, $4, 0; mov.b64 a, {$1, $2}; "
             "cvt.u64.u32 o, $3; add.u64 a, a, o; mov.u32 $0, 0; @p ld.volatile.global.u32 $0, [a]; }")
+# The acquire load of a split row's meeting word (it orders the loads of the shares after it).
+_LOAD_ACQUIRE = _LOAD.replace("ld.volatile.global.u32", "ld.acquire.gpu.global.u32")
 # Adds $5 to the word at (lo, hi) + off where $4 is non-zero, releasing this
 # thread's stores before it; returns 0 at once, not the word before ($6: the
 # dependency).
 _ARRIVE = ("{ .reg .b64 a; .reg .b64 o; .reg .pred p; setp.ne.u32 p, $4, 0; mov.b64 a, {$1, $2}; "
            "cvt.u64.u32 o, $3; add.u64 a, a, o; @p red.release.gpu.global.add.u32 [a], $5; mov.u32 $0, 0; }")
-# A split row's poll: the meeting word at (lo, hi) + $3, acquired; where it
-# reached $5 (the difference as a signed word), 0, or where $6 is non-zero
-# the word at (lo, hi) + $4 (a share); else NOT_MET. The share's load is
-# ordered after the acquire in the thread, so a share read where the meeting
-# word shows every arrival is the one its program published before it
-# arrived ($7: the dependency): one round trip a poll, not two.
-_LOAD_MET = ("{ .reg .b64 a; .reg .b64 o; .reg .b32 d; .reg .pred met; .reg .pred p; mov.b64 a, {$1, $2}; "
-             "cvt.u64.u32 o, $3; add.u64 o, a, o; ld.acquire.gpu.global.u32 d, [o]; sub.s32 d, d, $5; "
-             "setp.ge.s32 met, d, 0; setp.ne.and.u32 p, $6, 0, met; selp.b32 $0, 0, 0xFFFFFFFF, met; "
-             "cvt.u64.u32 o, $4; add.u64 a, a, o; @p ld.volatile.global.u32 $0, [a]; }")
-# What _LOAD_MET gives before the row met; never a share (a published share
-# has its NaN made 0x7FC00000, and a failed one the sign bit: at most 0xFFC00000).
-NOT_MET = -1
 # Stores $4 at (lo, hi) + off where $5 is non-zero; returns 0 ($6: the dependency).
 _STORE = ("{ .reg .b64 a; .reg .b64 o; .reg .pred p; setp.ne.u32 p, $5, 0; mov.b64 a, {$1, $2}; "
           "cvt.u64.u32 o, $3; add.u64 a, a, o; @p st.volatile.global.u32 [a], $4; mov.u32 $0, 0; }")
@@ -372,14 +361,15 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
   buffer, calls, previous_packs, served = (own_word(name) for name in OWN_WORDS)
   split = plan.split if row_share is not None else 1
   first = block - block % split  # the row's first block: its meeting word (4b)
+  # Words others write (another block's failure, the host, a split row's
+  # siblings): at full width.
   if split > 1:
     # The meeting this call's row waits for: the next multiple of 65536, read
     # with the start words, not from the arrival's return a round trip later.
     # Between calls the word is a multiple of 65536, and this call's siblings
-    # add less than that before this program does: every reading of it has
-    # the same high half.
+    # add less than that before this program does: every reading made before
+    # this program's own add has the same high half.
     met_target = jnp.max(load(own_signal, sig_off["row_arrivals"] + 4 * first, zero) & jnp.int32(-65536)) + 65536
-  # Words others write (another block's failure, the host): at full width.
   poisoned = load(own_signal, sig_off["poisoned"], zero)
   generation = load(own_signal, sig_off["generation"], zero)
   previous = jnp.where(buffer == 0, jnp.int32(2), buffer - 1)  # B(k - 1), cycling 0, 1, 2
@@ -569,10 +559,12 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
     row_total = row_share(cells, rank)
   if split > 1:
     head = lanes == 0
-    share_bits = jnp.where(row_total != row_total, jnp.int32(0x7FC00000), jax.lax.bitcast_convert_type(row_total, U32))
+    share_bits = jax.lax.bitcast_convert_type(row_total, U32)
     share_bits = jnp.broadcast_to(jnp.where(exchanged, share_bits, share_bits | jnp.int32(-2**31)), control)
     put = store(own_signal, sig_off["row_partial"] + 4 * block, share_bits, head, share_bits)
-    arrived = asm(_ARRIVE, *own_signal, sig_off["row_arrivals"] + 4 * first, head.astype(U32), 65536 // split, put)
+    # After the start's reading of the word (the dependency): else it could read this program's own add.
+    arrived = asm(_ARRIVE, *own_signal, sig_off["row_arrivals"] + 4 * first, head.astype(U32), 65536 // split,
+                  put | met_target)
     met_start = clock(arrived)
     # Above the exchange's own bound: a sibling still waiting for a peer
     # records that peer's timeout before this wait ends.
@@ -584,12 +576,18 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
 
     def met_body(carry):
       step = jnp.broadcast_to(carry[0], control)
-      polled = asm(_LOAD_MET, *own_signal, sig_off["row_arrivals"] + 4 * first, sig_off["row_partial"] + 4 * (first + lanes),
-                   met_target, (lanes < split).astype(U32), step)
-      met = jnp.logical_not(any_(polled == NOT_MET))  # in every thread, the share lanes' too
-      waited = clock(step | polled) - met_start
+      # One acquire a thread (the same arguments in each of its elements), then, where it shows every
+      # arrival, the shares' loads, after it by their dependency: the poll that finds the row met reads
+      # the shares too.
+      arrivals = asm(_LOAD_ACQUIRE, *own_signal, sig_off["row_arrivals"] + 4 * first, step)
+      arrived_all = arrivals - met_target >= 0  # wrap-safe: the difference as a signed word
+      share_lane = lanes < split
+      shares = load_if(own_signal, sig_off["row_partial"] + 4 * (first + jnp.where(share_lane, lanes, 0)),
+                       jnp.logical_and(share_lane, arrived_all), arrivals)
+      met = jnp.min(arrived_all.astype(jnp.int32)) > 0  # in every thread: the shares of this poll are the call's
+      waited = clock(step | arrivals) - met_start
       late = jnp.logical_and(jnp.logical_not(met), jnp.logical_or(any_(waited > met_bound), carry[0] > met_spins))
-      return carry[0] + 1, met.astype(jnp.int32), late.astype(jnp.int32), polled
+      return carry[0] + 1, met.astype(jnp.int32), late.astype(jnp.int32), shares
 
     _, _, late, shares = jax.lax.while_loop(met_cond, met_body, (jnp.max(arrived), jnp.int32(0), jnp.int32(0), zero))
     row_late = late > 0
@@ -599,7 +597,7 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
     row_failed = jnp.logical_or(row_late, jnp.min(jnp.where(lanes < split, shares, 0)) < 0)
     row_total = functools.reduce(jnp.add, [jax.lax.bitcast_convert_type(
         jnp.max(jnp.where(lanes == t, shares & jnp.int32(0x7FFFFFFF), 0)), jnp.float32) for t in range(split)])
-    sink = sink | put | jnp.max(arrived)
+    sink = sink | put
 
   # 5. A failure is recorded once per channel (the poison word's claim); a
   #    row whose programs did not all meet, where this program's own waits
