@@ -24,7 +24,8 @@ B x H x D: through loopback the merge of one source gives back its input,
 bit for bit (and 0, lse -inf, where its lse is -inf), checked first; the
 Triton kernel timed in turn with the floor of its payload.
 
-  python benchmarks/loopback_kernels.py [--json out.json] [--skip-fused] [--skip-dcp] [--kernels triton]
+  python benchmarks/loopback_kernels.py [--json out.json] [--skip-all-reduce] [--skip-fused] [--skip-dcp]
+    [--kernels triton]
 """
 
 from __future__ import annotations
@@ -280,6 +281,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   add_timing_arguments(parser, devices=False)
+  parser.add_argument("--skip-all-reduce", action="store_true", help="do not time all_reduce beside its floors")
   parser.add_argument("--skip-fused", action="store_true", help="do not time the fused op")
   parser.add_argument("--skip-dcp", action="store_true", help="do not time dcp_a2a")
   parser.add_argument("--kernels", default="ffi,triton", help="the kernel kinds to time, comma-separated")
@@ -312,7 +314,7 @@ def main() -> None:
       interleave(mesh, comm, rng)
     fn = chained(mesh, args.ops)
     with b12x_jax.channel(f"time-{kernels}"):
-      for dtype, size in times:
+      for dtype, size in () if args.skip_all_reduce else times:
         x = put(mesh, random(rng, size, dtype))
         floor_name, floor = ("empty ffi", lambda x=x: empty(x)) if kernels == "ffi" else ("floor", floor_of(size))
         times[dtype, size].update(paired_per_op_us({floor_name: floor, kernels: lambda x=x: fn(x)}, args.ops,
@@ -327,14 +329,15 @@ def main() -> None:
     comm.close()
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, loopback, {args.ops} chained ops, "
         f"median of {args.iters}")
-  print("floor: a protocol-free exchange of the same bytes, launched as the Triton kernel, timed in turn with "
-        "it; empty ffi: an FFI call that launches one empty kernel, timed in turn with the FFI kernel; "
-        "the differences: medians of the rounds' differences")
-  print(f"{'dtype':>9} {'size':>8} {'ffi us':>8} {'triton us':>10} {'floor us':>9} {'empty ffi':>10} "
-        f"{'triton-floor':>13} {'ffi-empty':>10}")
-  for (dtype, size), t in times.items():
-    print(f"{dtype:>9} {size_label(size):>8} {us(t, 'ffi', 8)} {us(t, 'triton', 10)} {us(t, 'floor', 9)} "
-          f"{us(t, 'empty ffi', 10)} {us(t, 'triton - floor', 13)} {us(t, 'ffi - empty ffi', 10)}")
+  if not args.skip_all_reduce:
+    print("floor: a protocol-free exchange of the same bytes, launched as the Triton kernel, timed in turn with "
+          "it; empty ffi: an FFI call that launches one empty kernel, timed in turn with the FFI kernel; "
+          "the differences: medians of the rounds' differences")
+    print(f"{'dtype':>9} {'size':>8} {'ffi us':>8} {'triton us':>10} {'floor us':>9} {'empty ffi':>10} "
+          f"{'triton-floor':>13} {'ffi-empty':>10}")
+    for (dtype, size), t in times.items():
+      print(f"{dtype:>9} {size_label(size):>8} {us(t, 'ffi', 8)} {us(t, 'triton', 10)} {us(t, 'floor', 9)} "
+            f"{us(t, 'empty ffi', 10)} {us(t, 'triton - floor', 13)} {us(t, 'ffi - empty ffi', 10)}")
   if not args.skip_fused:
     print("\nall_reduce + residual + RMSNorm, bfloat16, us per op (unfused: all_reduce on the same kernel kind, "
           "then jnp)")
