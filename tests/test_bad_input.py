@@ -165,29 +165,33 @@ def test_an_empty_leaf_beside_a_full_one_sums_right_and_has_psums_type(cpu_mesh)
   mesh = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices("cpu")[:4])
   shards = random_shards(np.random.default_rng(5), 2, 64, np.float32)
 
-  def step(a, e, grid):
-    return b12x_jax.all_reduce((a, e), "x"), b12x_jax.all_reduce(grid, "x")
+  def step(a, e, flags, grid):
+    total, empty, empty_flags = b12x_jax.all_reduce((a, e, flags), "x")
+    return total, empty, empty_flags, b12x_jax.all_reduce(grid, "x")
 
-  fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("x"), P("x"), P("x", "y")),
-                             out_specs=((P(), P()), P(None, "y"))))
+  fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("x"), P("x"), P("x"), P("x", "y")),
+                             out_specs=(P(("x", "y")), P(), P(), P(None, "y"))))
   grid = jax.device_put(np.zeros((2, 2, 0), np.float32), NamedSharding(mesh, P("x", "y")))
+  leaves = (put_sharded(mesh, shards), put_sharded(mesh, np.zeros((2, 0), np.float32)),
+            put_sharded(mesh, np.zeros((2, 0), bool)), grid)
   with b12x_jax.channel(_channel(mesh)):
     for _ in range(2):  # both staging slots
-      (total, empty), empty_grid = fn(put_sharded(mesh, shards), put_sharded(mesh, np.zeros((2, 0))), grid)
-      assert_sum_matches(np.asarray(total).reshape(1, 64), shards, "float32")
+      total, empty, empty_flags, empty_grid = fn(*leaves)
+      assert_sum_matches(np.asarray(total).reshape(4, 64), shards, "float32")  # every device's copy
       assert empty.shape == (0,) and empty.dtype == np.float32
+      assert empty_flags.shape == (0,) and empty_flags.dtype == np.int32  # psum sums bools as int32
       assert empty_grid.shape == (1, 2, 0)
   seen = []  # traced only: the empty psum beside the other all-reduce is what segfaults
 
-  def types(g):
-    ours, theirs = b12x_jax.all_reduce(g, "x"), jax.lax.psum(g, "x")
-    seen.append((jax.typeof(ours), jax.typeof(theirs)))
-    return ours
+  def types(a, e, flags, grid):
+    ours = b12x_jax.all_reduce((a, e, flags, grid), "x")
+    theirs = jax.lax.psum((a, e, flags, grid), "x")
+    seen.extend(zip(map(jax.typeof, ours), map(jax.typeof, theirs)))
+    return ours[0]
 
-  jax.jit(jax.shard_map(types, mesh=mesh, in_specs=P("x", "y"), out_specs=P(None, "y"))).trace(grid)
-  (ours, theirs), = seen
-  assert ours == theirs and _compat.varying_axes(ours) == {"y"}, (ours, theirs)
-  _assert_still_usable(mesh)
+  jax.jit(jax.shard_map(types, mesh=mesh, in_specs=(P("x"), P("x"), P("x"), P("x", "y")), out_specs=P())).trace(*leaves)
+  assert len(seen) == 4 and all(ours == theirs for ours, theirs in seen), seen
+  assert _compat.varying_axes(seen[-1][0]) == {"y"}, seen
 
 
 @pytest.mark.parametrize("x, kind", [("1", "str"), (object(), "object")])

@@ -172,7 +172,7 @@ def _all_reduce_leaf(x: jax.Array, axis_name, axis_index_groups, channel: str | 
   comm = get_communicator()
   symbolic = why_not_concrete("x", x)
   if symbolic is None and x.size == 0:
-    return _empty_sum(x, axes)
+    return _empty_sum(x, axes, jax.eval_shape(psum))
   if all(s == 1 for s in sizes) and not comm.loopback:
     return psum()  # nothing crosses a link; psum's type (invariant over the axis)
   why_not = _why_psum_only(axes, axis_index_groups) or symbolic
@@ -191,12 +191,14 @@ def _all_reduce_leaf(x: jax.Array, axis_name, axis_index_groups, channel: str | 
                            kernel=decision.kernel, site=call_site(_OP))
 
 
-def _empty_sum(x: jax.Array, axes: tuple) -> jax.Array:
+def _empty_sum(x: jax.Array, axes: tuple, like: jax.ShapeDtypeStruct) -> jax.Array:
   """The sum of an empty ``x`` over ``axes``: an empty array of psum's type
-  (varying over x's other axes), with no collective (XLA:CPU segfaults on
-  an empty psum beside another all-reduce)."""
+  with no collective (XLA:CPU segfaults on an empty psum beside another
+  all-reduce). ``like`` is psum's result traced apart (eval_shape: its
+  dtype, int32 for bool, and its errors); the varying axes, which it does
+  not keep, are x's other axes."""
   varying = tuple(sorted(_compat.varying_axes(jax.typeof(x)) - set(axes), key=str))
-  empty = jnp.zeros(x.shape, x.dtype)  # varies over no axis
+  empty = jnp.zeros(x.shape, like.dtype)  # varies over no axis
   return jax.lax.pcast(empty, varying, to="varying") if varying else empty
 
 
