@@ -47,10 +47,26 @@ MP_WORKERS = os.path.join(os.path.dirname(__file__), "mp_workers.py")
 
 
 def _free_port() -> int:
+  """A port for the jax.distributed coordinator that no socket holds now,
+  below the kernel's ephemeral range: between this check and the
+  coordinator's bind, an outgoing connection of any process can take an
+  ephemeral port (a CI run once failed so, "Address already in use"), never
+  one below the range."""
+  import random
   import socket
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+  try:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+      ephemeral = int(f.read().split()[0])
+  except OSError:
+    ephemeral = 32768  # Linux's default start
+  for port in random.sample(range(10000, ephemeral), 100):
+    with socket.socket() as s:
+      try:
+        s.bind(("", port))
+      except OSError:
+        continue
+      return port
+  raise RuntimeError(f"no free port in [10000, {ephemeral}) for the jax.distributed coordinator")
 
 
 def _stderr_digest(err: str) -> str:
