@@ -73,22 +73,28 @@ def _rmsnorm_kernel(plan: Plan, dtype: str, hidden: int, eps: float, warps: int,
                     weight_ref, normed_ref, residual_out_ref):
   """The fused op (ffi/rmsnorm.h's math) on a row, or a 1/plan.split part
   of one, per program."""
-  # Every input is read first, so its loads are in flight with the exchange's
-  # start, not a round trip each after the polls.
-  x_words, residual_words, weight_words = x_ref[...], residual_ref[...], weight_ref[...]
+  # Inputs read first have their loads in flight with the exchange's start, not
+  # a round trip each after the polls; but a program of a whole wide row holds
+  # them in registers across its polls, and was slower so (64 x 8192 bfloat16,
+  # benchmarks/RESULTS.md 2026-12-06): it reads them where it uses them.
+  wide = plan.block_words >= SPLIT_ROW_WORDS
+  x_words = x_ref[...]
+  residual_words, weight_words = (None, None) if wide else (residual_ref[...], weight_ref[...])
   new = {}  # the new residual: lamport_exchange needs the row's share of squares before the call ends
 
   def share(cells, rank):  # residual_out = round(sum + residual), one rounding; the norm reads it rounded
     parts = with_own(plan, rank, [x_words] * plan.world, [c for (c,) in cells])
     total = sum_in_rank_order(parts, dtype)
-    new["residual"] = to_words(tuple(s + r for s, r in zip(total, to_elements(residual_words, dtype))), dtype)
+    residual = residual_ref[...] if wide else residual_words
+    new["residual"] = to_words(tuple(s + r for s, r in zip(total, to_elements(residual, dtype))), dtype)
     return sum(jnp.sum(v * v) for v in to_elements(new["residual"], dtype))
 
   done, _, _, sink, squares = lamport_exchange(plan, table_ref, [(x_words,)] * plan.world, warps, share)
   residual_out = new["residual"]
   r = to_elements(residual_out, dtype)
   scale = jax.lax.rsqrt(squares / hidden + eps)
-  normed = to_words(tuple(v * scale * w for v, w in zip(r, to_elements(weight_words, dtype))), dtype)
+  weight = weight_ref[...] if wide else weight_words
+  normed = to_words(tuple(v * scale * w for v, w in zip(r, to_elements(weight, dtype))), dtype)
   failed, nan = failed_outputs(done, sink), jnp.int32(signed_word(NAN_WORDS[dtype]))
   normed_ref[...] = jnp.where(failed, nan, normed)
   residual_out_ref[...] = jnp.where(failed, nan, residual_out)
