@@ -18,12 +18,15 @@ from b12x_jax.kernels.exchange import (MAX_TILE_WORDS, NAN_WORDS, Plan, as_words
                                        warps_for, wide_warps, with_own)
 # The fused op's rows over several programs (row_split): a row of at least
 # SPLIT_ROW_WORDS words splits, each program keeps at least MIN_SPLIT_WORDS
-# of it, a row takes at most MAX_SPLIT programs. Loopback, one H200, bf16
-# (benchmarks/RESULTS.md): 4096-word rows over 4 programs 0.5-0.8 us faster
-# than over one, 2048-word rows over 2 up to 0.9 us slower (the meeting costs more than it saves).
+# of it, a row takes at most MAX_SPLIT programs. Loopback, bf16, measured
+# again with the cheaper meeting (benchmarks/RESULTS.md, 2026-12-06, one
+# H100): 4096-word rows over 4 programs 0.4-0.6 us faster than over 2 and
+# 0.7-1.0 faster than over one; 2048-word rows over 2 0.7-0.9 us slower than
+# over one (the meeting costs more than it saves); over 8 programs of 512
+# words, no gain beyond a noisy machine's spread.
 SPLIT_ROW_WORDS = 4096
 MIN_SPLIT_WORDS = 1024
-MAX_SPLIT = 4  # measured up to 4
+MAX_SPLIT = 4
 
 
 def rows_problem(rows: int, row_bytes: int, cell_bytes: int, max_blocks: int) -> str | None:
@@ -74,9 +77,10 @@ def _rmsnorm_kernel(plan: Plan, dtype: str, hidden: int, eps: float, warps: int,
   """The fused op (ffi/rmsnorm.h's math) on a row, or a 1/plan.split part
   of one, per program."""
   # Inputs read first have their loads in flight with the exchange's start, not
-  # a round trip each after the polls; but a program of a whole wide row holds
-  # them in registers across its polls, and was slower so (64 x 8192 bfloat16,
-  # benchmarks/RESULTS.md 2026-12-06): it reads them where it uses them.
+  # a round trip each after the polls; but a program of SPLIT_ROW_WORDS or more
+  # (a whole row, where the rows are too many to split) would hold them across
+  # its polls, and was slower so (64 x 8192 bfloat16, benchmarks/RESULTS.md
+  # 2026-12-06): it reads them where it uses them.
   wide = plan.block_words >= SPLIT_ROW_WORDS
   x_words = x_ref[...]
   residual_words, weight_words = (None, None) if wide else (residual_ref[...], weight_ref[...])
