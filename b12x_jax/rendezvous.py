@@ -63,6 +63,28 @@ def host_id() -> str:
   return f"{socket.gethostname()} ({boot})"
 
 
+def coordinator_port() -> int:
+  """A port for a ``jax.distributed`` coordinator on this host that no
+  socket holds now, for a launcher that starts the processes itself. It
+  lies below the kernel's ephemeral range: between this check and the
+  coordinator's bind, any process's outgoing connection can take an
+  ephemeral port ("Address already in use"), never one below the range."""
+  import random
+  try:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+      ephemeral = int(f.read().split()[0])
+  except OSError:
+    ephemeral = 32768  # Linux's default start
+  for port in random.sample(range(10000, ephemeral), 100):
+    with socket.socket() as s:
+      try:
+        s.bind(("", port))
+      except OSError:
+        continue
+      return port
+  raise RuntimeError(f"no free port in [10000, {ephemeral}) for a jax.distributed coordinator")
+
+
 _SAME_COMMUNICATOR = "pass the same Communicator({}=...) in every process"
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -77,9 +76,9 @@ def main() -> None:
     worker(args)
     return
   args.platform = args.platform or ("gpu" if _gpus() >= 2 else "cpu")
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+  from b12x_jax.rendezvous import coordinator_port
+
+  port = coordinator_port()
   base = [sys.executable, __file__, "--processes", str(args.processes), "--platform", args.platform, "--ops",
           str(args.ops), "--iters", str(args.iters), "--sizes", ",".join(map(str, args.sizes)), "--port", str(port)]
   procs = [subprocess.Popen(base + ["--process-id", str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

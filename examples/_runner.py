@@ -9,7 +9,6 @@ import argparse
 import atexit
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -92,9 +91,9 @@ def _forward(stream, out) -> None:
 def _launch(n: int) -> int:
   """Starts the n processes; shows process 0's output, without the noise,
   and another process's stderr only if it failed."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+  from b12x_jax.rendezvous import coordinator_port
+
+  port = coordinator_port()
   command = [sys.executable, *sys.argv, "--coordinator", f"127.0.0.1:{port}", "--process-id"]
   logs = [tempfile.TemporaryFile("w+") for _ in range(1, n)]
   env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # process 0's lines in the order it wrote them

@@ -19,6 +19,8 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from b12x_jax.rendezvous import coordinator_port  # noqa: E402
+
 WORKERS = os.path.join(os.path.dirname(__file__), "workers.py")
 
 
@@ -46,29 +48,6 @@ def run_worker(*args: str, hard_timeout: float = 120.0) -> dict:
 MP_WORKERS = os.path.join(os.path.dirname(__file__), "mp_workers.py")
 
 
-def _free_port() -> int:
-  """A port for the jax.distributed coordinator that no socket holds now,
-  below the kernel's ephemeral range: between this check and the
-  coordinator's bind, an outgoing connection of any process can take an
-  ephemeral port (a CI run once failed so, "Address already in use"), never
-  one below the range."""
-  import random
-  import socket
-  try:
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-      ephemeral = int(f.read().split()[0])
-  except OSError:
-    ephemeral = 32768  # Linux's default start
-  for port in random.sample(range(10000, ephemeral), 100):
-    with socket.socket() as s:
-      try:
-        s.bind(("", port))
-      except OSError:
-        continue
-      return port
-  raise RuntimeError(f"no free port in [10000, {ephemeral}) for the jax.distributed coordinator")
-
-
 def _stderr_digest(err: str) -> str:
   """What a failed worker said: its fatal lines (an XLA check failure comes
   before a long stack trace) and the end of its stderr."""
@@ -88,7 +67,7 @@ def multiprocess():
   def run(mode: str, n: int = 2, *args: str, platform: str = "cpu", hard_timeout: float = 120.0,
           killed: tuple[int, ...] = (), env: dict[int, dict[str, str]] | None = None,
           launcher: tuple[str, ...] = ()) -> list[dict | None]:
-    port = str(_free_port())
+    port = str(coordinator_port())
     common = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not this process's 4 emulated devices
     procs = [subprocess.Popen([*launcher, sys.executable, MP_WORKERS, mode, "--process-id", str(i), "--num-processes", str(n),
                                "--port", port, "--platform", platform, *args], stdout=subprocess.PIPE,
