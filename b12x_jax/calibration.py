@@ -18,10 +18,9 @@ from b12x_jax.tuning import Crossover, cache_path, stored_table, table_key
 def per_op_us(run: Callable[[], object], ops: int, iters: int, warmup: int = 5, warmup_s: float = 0.2) -> float:
   """Median wall time of ``run()`` (one executable of ``ops`` chained ops;
   blocked on) over ``iters`` runs, per op, in us, after at least ``warmup``
-  runs and about ``warmup_s`` seconds of them (so the timed runs do not
-  start on a GPU that just sat idle through a compile). The one timing
-  method of calibration and of every benchmark: paired_per_op_us of one
-  run."""
+  runs and ``warmup_s`` seconds of them (so the timed runs do not start on
+  a GPU that just sat idle through a compile). The one timing method of
+  calibration and of every benchmark: paired_per_op_us of one run."""
   return paired_per_op_us({"run": run}, ops, iters, warmup, warmup_s)["run"]
 
 
@@ -36,26 +35,17 @@ def paired_per_op_us(runs: dict[str, Callable[[], object]], ops: int, iters: int
   median of their per-round differences under ``"a - b"`` (a paired
   difference: steadier than the difference of two medians).
 
-  In a program of several processes every process runs each executable
-  the same number of times, the warm-up rounds that fill ``warmup_s`` as
-  process 0 counts them: a collective run more often in one process than
-  in another waits for peers that never come."""
+  In a program of several processes the warm-up is ``warmup`` rounds, not
+  also ``warmup_s``: each process would count the rounds of a time by its
+  own clock, and a collective run more often in one process than in
+  another waits for peers that never come."""
   import jax
   import numpy as np
-
-  def one_round():
+  warm_until, warmed = time.perf_counter() + (warmup_s if jax.process_count() == 1 else 0.0), 0
+  while warmed < warmup or time.perf_counter() < warm_until:
     for run in runs.values():
       jax.block_until_ready(run())
-
-  begin = time.perf_counter()
-  one_round()  # the compile, where the executables are new
-  first = time.perf_counter()
-  for _ in range(warmup - 1):
-    one_round()
-  now = time.perf_counter()
-  per_round = max((now - first) / (warmup - 1) if warmup > 1 else now - begin, 1e-9)
-  for _ in range(_as_process_0_has_it(max(0, int(np.ceil((warmup_s - (now - begin)) / per_round))))):
-    one_round()
+    warmed += 1
   times: dict[str, list[float]] = {name: [] for name in runs}
   for _ in range(iters):
     for name, run in runs.items():
@@ -66,16 +56,6 @@ def paired_per_op_us(runs: dict[str, Callable[[], object]], ops: int, iters: int
   out = {name: float(np.median(t)) for name, t in times.items()}
   out.update({f"{name} - {base}": float(np.median(np.subtract(times[name], times[base]))) for name in others})
   return out
-
-
-def _as_process_0_has_it(count: int) -> int:
-  """``count`` as process 0 computed it, in every process of the program."""
-  import jax
-  if jax.process_count() == 1:
-    return count
-  import numpy as np
-  from jax.experimental import multihost_utils
-  return int(multihost_utils.broadcast_one_to_all(np.int32(count)))
 
 
 def crossovers_from(times: dict[int, dict[str, float]]) -> tuple[int | None, int | None]:

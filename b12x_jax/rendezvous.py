@@ -63,26 +63,32 @@ def host_id() -> str:
   return f"{socket.gethostname()} ({boot})"
 
 
+# The kernel's range of ports for outgoing connections (Linux).
+EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
 def coordinator_port() -> int:
   """A port for a ``jax.distributed`` coordinator on this host that no
   socket holds now, for a launcher that starts the processes itself. It
-  lies below the kernel's ephemeral range: between this check and the
-  coordinator's bind, any process's outgoing connection can take an
-  ephemeral port ("Address already in use"), never one below the range."""
+  lies outside the kernel's ephemeral range (from 10000 up): between this
+  check and the coordinator's bind, any process's outgoing connection can
+  take an ephemeral port ("Address already in use"), never one outside."""
   import random
   try:
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-      ephemeral = int(f.read().split()[0])
-  except OSError:
-    ephemeral = 32768  # Linux's default start
-  for port in random.sample(range(10000, ephemeral), 100):
+    with open(EPHEMERAL_PORTS) as f:
+      start, end = map(int, f.read().split())
+  except (OSError, ValueError):
+    start, end = 32768, 60999  # Linux's default
+  candidates = [*range(10000, start), *range(end + 1, 65536)]
+  for port in random.sample(candidates, min(100, len(candidates))):
     with socket.socket() as s:
       try:
         s.bind(("", port))
       except OSError:
         continue
       return port
-  raise RuntimeError(f"no free port in [10000, {ephemeral}) for a jax.distributed coordinator")
+  raise RuntimeError(f"no free port from 10000 outside the ephemeral range {start}-{end} for a jax.distributed "
+                     "coordinator: narrow the range (sysctl net.ipv4.ip_local_port_range)")
 
 
 _SAME_COMMUNICATOR = "pass the same Communicator({}=...) in every process"

@@ -571,12 +571,13 @@ def test_calls_inside_a_loop_on_two_channels_match_float64_across_processes(mult
   check_loops(results, ["all_reduce ffi", "all_reduce_residual_rmsnorm ffi"])
 
 
-def test_the_coordinator_port_is_free_and_below_the_ephemeral_range():
+@pytest.mark.skipif(not os.path.exists(rendezvous.EPHEMERAL_PORTS), reason=f"no {rendezvous.EPHEMERAL_PORTS}")
+def test_the_coordinator_port_is_free_and_outside_the_ephemeral_range():
   # An ephemeral port can be taken by any outgoing connection between the pick and the coordinator's bind.
-  with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-    ephemeral = int(f.read().split()[0])
+  with open(rendezvous.EPHEMERAL_PORTS) as f:
+    start, end = map(int, f.read().split())
   ports = {rendezvous.coordinator_port() for _ in range(20)}
-  assert all(10000 <= port < ephemeral for port in ports), (ports, ephemeral)
+  assert all(10000 <= port < start or end < port < 65536 for port in ports), (ports, start, end)
   assert len(ports) > 1, ports  # picked at random: two launchers at once rarely collide
   for port in ports:
     with socket.socket() as s:
@@ -584,11 +585,12 @@ def test_the_coordinator_port_is_free_and_below_the_ephemeral_range():
 
 
 def test_the_multiprocess_benchmark_runs_each_collective_as_often_in_every_process():
-  # Its warm-up fills a time: counted in each process alone, one process ran a collective more often than its peer,
-  # which then waited for it (b12x's timeout, gloo's deadline) and the benchmark failed.
+  # Its warm-up filled a time, counted in each process alone: one process ran a collective more often than its
+  # peer, which then waited for it (b12x's timeout, gloo's deadline) and the benchmark failed. The launcher waits
+  # for each worker up to --timeout in turn: both within this test's bound, so it never leaves a worker behind.
   script = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "all_reduce_multiprocess.py")
   proc = subprocess.run([sys.executable, script, "--processes", "2", "--platform", "cpu", "--sizes", "4096,65536",
-                         "--ops", "4", "--iters", "3", "--timeout", "240"], capture_output=True, text=True, timeout=300)
+                         "--ops", "4", "--iters", "3", "--timeout", "120"], capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   rows = re.findall(r"^\| (4|64) KiB \| ([0-9.]+) \| ([0-9.]+) \|", proc.stdout, flags=re.M)
   assert [size for size, _, _ in rows] == ["4", "64"] and all(float(t) > 0 for _, *ts in rows for t in ts), proc.stdout

@@ -31,7 +31,7 @@ def test_crossovers_start_where_the_challenger_wins_at_every_larger_size():
   assert calibration.crossovers_from(never) == (None, None)
 
 
-def test_per_op_us_warms_up_for_its_runs_and_about_its_seconds_then_takes_the_median_per_op():
+def test_per_op_us_warms_up_for_its_runs_and_seconds_then_takes_the_median_per_op():
   import time
   spans = []  # (start, end) of every run
 
@@ -42,12 +42,19 @@ def test_per_op_us_warms_up_for_its_runs_and_about_its_seconds_then_takes_the_me
     return np.zeros(1)
 
   begin = time.perf_counter()
-  us = calibration.per_op_us(run, ops=4, iters=5, warmup=4, warmup_s=0.1)
+  us = calibration.per_op_us(run, ops=4, iters=5, warmup=2, warmup_s=0.1)
   warm, timed = spans[:-5], spans[-5:]
-  # About 0.1 s: the rounds that fill it are counted from the mean of the warm-up rounds after the first (4, 2 and 1 ms: 7 ms over
-  # 3), so that every process can run the count process 0 took.
-  assert len(warm) >= 4 and 0.08 <= warm[-1][1] - begin <= 0.2, (len(warm), warm[-1][1] - begin)
+  assert len(warm) >= 2 and warm[-1][1] - begin >= 0.1, (len(warm), warm[-1][1] - begin)
   assert us == pytest.approx(np.median([end - start for start, end in timed]) / 4 * 1e6, rel=0.2), us
+
+
+def test_per_op_us_of_several_processes_warms_up_for_its_runs_only(monkeypatch):
+  # Rounds counted to fill a time differ between processes, and a collective run more often in one process
+  # than in another waits for peers that never come (benchmarks/all_reduce_multiprocess.py failed so).
+  runs = []
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  calibration.per_op_us(lambda: runs.append(1) or np.zeros(1), ops=1, iters=3, warmup=4, warmup_s=60.0)
+  assert len(runs) == 4 + 3, len(runs)
 
 
 def test_paired_per_op_us_times_every_run_in_each_round_and_takes_the_median_of_their_differences():

@@ -78,9 +78,10 @@ def _rmsnorm_kernel(plan: Plan, dtype: str, hidden: int, eps: float, warps: int,
   of one, per program."""
   # Inputs read first have their loads in flight with the exchange's start, not
   # a round trip each after the polls; but a program of SPLIT_ROW_WORDS or more
-  # (a whole row, where the rows are too many to split) would hold them across
-  # its polls, and was slower so (64 x 8192 bfloat16, benchmarks/RESULTS.md
-  # 2026-12-06): it reads them where it uses them.
+  # (a 4096-word row where the rows are too many to split, or part of a larger
+  # one) would hold them across its polls, and was slower so (64 whole rows of
+  # 8192 bfloat16, benchmarks/RESULTS.md 2026-12-06; the other cases are not
+  # measured): it reads them where it uses them.
   wide = plan.block_words >= SPLIT_ROW_WORDS
   x_words = x_ref[...]
   residual_words, weight_words = (None, None) if wide else (residual_ref[...], weight_ref[...])
