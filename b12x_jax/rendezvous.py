@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import json
 import os
 import socket
@@ -81,14 +82,23 @@ def coordinator_port() -> int:
     start, end = 32768, 60999  # Linux's default
   candidates = [*range(10000, start), *range(end + 1, 65536)]
   for port in random.sample(candidates, min(100, len(candidates))):
-    with socket.socket() as s:
-      try:
-        s.bind(("", port))
-      except OSError:
-        continue
+    if port_is_free(port):
       return port
   raise RuntimeError(f"no free port from 10000 outside the ephemeral range {start}-{end} for a jax.distributed "
                      "coordinator: narrow the range (sysctl net.ipv4.ip_local_port_range)")
+
+
+def port_is_free(port: int) -> bool:
+  """Whether no socket holds ``port`` on IPv6, where the host has it (the
+  coordinator binds [::], both families), or on IPv4."""
+  for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "")):
+    try:
+      with socket.socket(family) as s:
+        s.bind((host, port))
+    except OSError as e:
+      if family != socket.AF_INET6 or e.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+        return False
+  return True
 
 
 _SAME_COMMUNICATOR = "pass the same Communicator({}=...) in every process"

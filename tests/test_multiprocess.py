@@ -584,6 +584,21 @@ def test_the_coordinator_port_is_free_and_outside_the_ephemeral_range():
       s.bind(("", port))
 
 
+def test_a_port_held_on_either_family_is_not_free():
+  # The coordinator binds [::]: a port an IPv6-only socket holds, which an IPv4 bind does not see, is taken.
+  for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "")):
+    try:
+      held = socket.socket(family)
+    except OSError:
+      continue  # no IPv6 on this host
+    with held:
+      if family == socket.AF_INET6:
+        held.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+      held.bind((host, 0))
+      port = held.getsockname()[1]
+      assert not rendezvous.port_is_free(port), (family, port)
+
+
 def test_the_multiprocess_benchmark_runs_each_collective_as_often_in_every_process():
   # Its warm-up filled a time, counted in each process alone: one process ran a collective more often than its
   # peer, which then waited for it (b12x's timeout, gloo's deadline) and the benchmark failed. The launcher waits
