@@ -112,7 +112,7 @@ def _copies_of_a_stored_element(ttgir: str, store: str) -> list[tuple[str, int]]
 
 @pytest.mark.parametrize("name", ["all_reduce float32", "all_reduce bfloat16", "all_reduce loopback",
                                   "all_reduce bfloat16, 8 ranks", "dcp_a2a", "fused, one program a row",
-                                  "fused, a row over 4 programs"])
+                                  "fused, a row over 4 programs", "fused, a wide row in one program"])
 def test_every_triton_kernel_compiles_for_an_h200(monkeypatch, tmp_path, name):
   fn, args = triton_kernel_case(name)
   ((module, warps),) = _lowered(monkeypatch, lambda: jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)))

@@ -379,8 +379,10 @@ def triton_kernel_case(name: str):
   "all_reduce float32" / "all_reduce bfloat16" (2 ranks, 2 blocks of 512
   words), "all_reduce loopback", "all_reduce bfloat16, 8 ranks" (a block of
   2048 words: 8 warps), "dcp_a2a" ([1, 16, 64] over 2 ranks: one block of 8
-  rows of 32 words per destination), "fused, one program a row" and "fused,
-  a row over 4 programs". tests/test_triton_compile.py compiles them."""
+  rows of 32 words per destination), "fused, one program a row", "fused,
+  a row over 4 programs" and "fused, a wide row in one program" (a channel
+  of 2 blocks: 4096 words a program, its residual and weight read late).
+  tests/test_triton_compile.py compiles them."""
   from b12x_jax import kernels as triton
   row = jax.ShapeDtypeStruct((triton.ROW_WORDS,), jnp.int32)
   if name.startswith("all_reduce"):
@@ -397,8 +399,9 @@ def triton_kernel_case(name: str):
     args = (jax.ShapeDtypeStruct((1, 16, 64), jnp.bfloat16), jax.ShapeDtypeStruct((1, 16), jnp.float32), row)
     return (lambda o, lse, t: triton.dcp_a2a.dcp_a2a(o, lse, t, plan, base2=False, return_lse=True, channel="c",
                                                       poison=False)), args
-  hidden, split = (2048, 1) if name == "fused, one program a row" else (8192, 4)
-  plan = triton.rows_plan(_plan(cell_words=8192), 2, 2 * hidden, "bfloat16", 0)
+  hidden, split, blocks = {"fused, one program a row": (2048, 1, 64), "fused, a row over 4 programs": (8192, 4, 64),
+                           "fused, a wide row in one program": (8192, 1, 2)}[name]
+  plan = triton.rows_plan(_plan(blocks, cell_words=8192), 2, 2 * hidden, "bfloat16", 0)
   assert plan.split == split, plan.split
   args = (jax.ShapeDtypeStruct((2, hidden), jnp.bfloat16),) * 2 + (jax.ShapeDtypeStruct((hidden,), jnp.bfloat16), row)
   return (lambda x, r, w, t: triton.residual_rmsnorm.residual_rmsnorm(x, r, w, t, plan, eps=1e-6, channel="c",
@@ -458,7 +461,7 @@ def test_a_row_over_several_programs_lowers_with_their_meeting(monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", ["all_reduce float32", "all_reduce bfloat16", "fused, one program a row",
-                                    "fused, a row over 4 programs", "dcp_a2a"])
+                                    "fused, a row over 4 programs", "fused, a wide row in one program", "dcp_a2a"])
 def test_every_inline_asm_the_exchange_emits_survives_in_the_kernel(monkeypatch, kernel):
   # Pallas drops what does not reach a kernel's output, and inline asm is pure to it: an access
   # whose result joins no chain to the output (module docstring of kernels/exchange.py) is gone

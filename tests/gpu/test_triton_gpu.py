@@ -147,13 +147,15 @@ def test_an_executable_of_an_earlier_preparation_stops_with_nan_and_an_error():
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 def test_the_fused_kernel_matches_float64_and_rounds_the_residual_once(dtype_name):
-  # Rows of 1 to 64, a row over 1 to 4 programs; the FFI kernel (float16 has no
-  # Triton one) runs the same shapes on the same channel in between.
+  # Rows of 1 to 64, a row over 1 to 4 programs, 64 rows of 8192 bfloat16 a
+  # program of 4096 words each (it reads residual and weight late); the FFI
+  # kernel (float16 has no Triton one) runs the same shapes on the same channel
+  # in between.
   from helpers import DTYPES, assert_residual_rmsnorm_matches, residual_rmsnorm_fn, residual_rmsnorm_inputs
   mesh = _mesh()
   rng = np.random.default_rng(15)
   fn = residual_rmsnorm_fn(mesh)
-  cases = {"bfloat16": [(1, 4096), (4, 8192), (8, 1024), (64, 4096), (7, 128)],
+  cases = {"bfloat16": [(1, 4096), (4, 8192), (8, 1024), (64, 4096), (64, 8192), (7, 128)],
            "float32": [(1, 4096), (8, 2048), (32, 4096), (7, 128)]}
   cases = cases[dtype_name]
   with fresh_communicator(loopback=True, kernels="triton", poison_outputs=True) as comm, b12x_jax.channel("fused"):
