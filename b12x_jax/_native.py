@@ -53,10 +53,12 @@ def _check_ffi_api() -> None:
 
 _check_ffi_api()
 # What the native layer is built with (ffi/channel.h, ffi/all_reduce.h):
-# the ranks of a channel, its largest grid, the payload granularity, and
-# the all_reduce algorithms' codes (the custom call's `algorithm`).
+# the ranks of a channel, its largest grid, the most blocks a row of the
+# Triton fused op spans, the payload granularity, and the all_reduce
+# algorithms' codes (the custom call's `algorithm`).
 MAX_RANKS: int = _b12x.constants["max_ranks"]
 MAX_BLOCKS: int = _b12x.constants["max_blocks"]
+MAX_ROW_SPLIT: int = _b12x.constants["max_row_split"]
 PACK_BYTES: int = _b12x.constants["pack_bytes"]
 MAX_CAPACITY_BYTES: int = _b12x.constants["max_capacity_bytes"]
 ALGORITHMS: dict[str, int] = dict(_b12x.constants["algorithms"])

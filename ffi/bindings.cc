@@ -147,11 +147,11 @@ void prepare_local(Platform platform, const std::string& channel, const std::str
 // must not meet on a channel (b12x_jax/rendezvous.py, Frame).
 uint64_t protocol_fingerprint() {
   const uint64_t words[] = {
-      kProtocolRevision, kMaxRanks, kMaxBlocks, kPackBytes, kStagingSlots, kLamportBuffers, kLamportEmptyWord,
-      kLamportNaNWord, kFailureTimeout, kFailureMismatch, kFailureStale, kErrorComplete, sizeof(CallTag),
+      kProtocolRevision, kMaxRanks, kMaxBlocks, kMaxRowSplit, kPackBytes, kStagingSlots, kLamportBuffers,
+      kLamportEmptyWord, kLamportNaNWord, kFailureTimeout, kFailureMismatch, kFailureStale, kErrorComplete, sizeof(CallTag),
       sizeof(Signal), offsetof(Signal, flag), offsetof(Signal, tag), offsetof(Signal, lamport_calls),
       offsetof(Signal, lamport_buffer), offsetof(Signal, lamport_packs), offsetof(Signal, served),
-      offsetof(Signal, row_partial), offsetof(Signal, row_arrivals), offsetof(Signal, poisoned),
+      offsetof(Signal, row_arrivals), offsetof(Signal, row_shares), offsetof(Signal, poisoned),
       offsetof(Signal, generation), sizeof(ErrorRecord), offsetof(ErrorRecord, kind), offsetof(ErrorRecord, rank),
       offsetof(ErrorRecord, peer), offsetof(ErrorRecord, epoch), offsetof(ErrorRecord, peer_gave_up),
       offsetof(ErrorRecord, first_call), offsetof(ErrorRecord, expected), offsetof(ErrorRecord, seen),
@@ -198,6 +198,7 @@ NB_MODULE(_b12x, m) {
   nb::dict constants;
   constants["max_ranks"] = kMaxRanks;
   constants["max_blocks"] = kMaxBlocks;
+  constants["max_row_split"] = kMaxRowSplit;
   constants["pack_bytes"] = kPackBytes;
   constants["max_capacity_bytes"] = kMaxCapacityBytes;
   constants["algorithms"] = algorithms;
@@ -406,8 +407,8 @@ NB_MODULE(_b12x, m) {
     signal_offsets["lamport_buffer"] = offsetof(Signal, lamport_buffer);
     signal_offsets["lamport_packs"] = offsetof(Signal, lamport_packs);
     signal_offsets["served"] = offsetof(Signal, served);
-    signal_offsets["row_partial"] = offsetof(Signal, row_partial);
     signal_offsets["row_arrivals"] = offsetof(Signal, row_arrivals);
+    signal_offsets["row_shares"] = offsetof(Signal, row_shares);
     signal_offsets["poisoned"] = offsetof(Signal, poisoned);
     signal_offsets["generation"] = offsetof(Signal, generation);
     error_offsets["state"] = offsetof(ErrorRecord, state);

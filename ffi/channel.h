@@ -36,13 +36,16 @@ inline constexpr size_t kMaxCapacityBytes = size_t{1} << 30;
 // Lamport exchange (lamport.h): each argues its own reuse.
 inline constexpr int kStagingSlots = 2;
 inline constexpr int kLamportBuffers = 3;
+// Most blocks one row of the Triton fused op spans (its meeting's slots per
+// row, Signal::row_shares; docs/DESIGN.md, "Triton kernels").
+inline constexpr int kMaxRowSplit = 4;
 // Two builds meet on a channel only if they speak the same protocol
 // (b12x_jax/rendezvous.py, Frame): the layouts of this file and the
 // constants of the exchanges are compared without help (bindings.cc,
 // protocol_fingerprint), but a change of meaning with the same layout (what
 // a word holds, the order of a call's steps, an encoding), here or in the
 // Triton kernels (b12x_jax/kernels), must bump this.
-inline constexpr uint32_t kProtocolRevision = 1;
+inline constexpr uint32_t kProtocolRevision = 2;
 
 // What one call is, announced with it and checked by every peer (DESIGN.md,
 // "The call tag"): two ranks that reach different calls on one channel stop
@@ -136,13 +139,16 @@ struct alignas(128) Signal {
   // (protocol.h, wait_deadline). Written only by this rank.
   uint32_t served[kMaxBlocks];
   // The Triton fused op's rows that span several blocks (docs/DESIGN.md,
-  // "Triton kernels"): row_partial[b], block b's share of its row's sum of
-  // squares in its last such call (float bits); row_arrivals[b], for a row's
-  // first block b, grows by 65536 per call (65536 / S from each of the row's
-  // S blocks), so the blocks of a row meet whatever earlier calls split.
-  // Written only by this rank's kernels.
-  uint32_t row_partial[kMaxBlocks];
+  // "Triton kernels"). row_arrivals[b], for a row's first block b, grows by
+  // 65536 per call (65536 / S from each of the row's S blocks): its high
+  // half names the call. row_shares[b][t], one 64-bit word read and written
+  // whole: the share of the row's sum of squares of the row's t-th block
+  // (float bits, low half) and the call it belongs to (the next multiple of
+  // 65536 of row_arrivals[b], plus 1: never 0, the word as allocated and as
+  // a call of fewer blocks resets it), for the last call whose row began at
+  // block b. Written only by this rank's kernels.
   uint32_t row_arrivals[kMaxBlocks];
+  uint64_t row_shares[kMaxBlocks][kMaxRowSplit];
   // Non-zero once a wait on this rank timed out: later calls on the channel
   // exit at once (DESIGN C8, the channel is poisoned until released).
   uint32_t poisoned;

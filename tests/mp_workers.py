@@ -335,7 +335,7 @@ def dcp_mode(args) -> dict:
           "epoch": comm.stats("mp_dcp", jax.local_devices()[0])["epoch"]}
 
 
-FUSED_CASES = ((1, 4096), (8, 1024), (5, 2048), (7, 128), (3, 16), (2, 8192))
+FUSED_CASES = ((1, 4096), (8, 4096), (8, 1024), (5, 2048), (7, 128), (3, 16), (2, 8192))
 
 
 def residual_rmsnorm_mode(args) -> dict:
@@ -346,9 +346,11 @@ def residual_rmsnorm_mode(args) -> dict:
   the kernel kinds each call's decisions name (at trace time, and a
   lowering's fallback). With ``--wrap`` the calls cross the uint32 wrap of
   the counters (the hook, a barrier, then the calls), twice over the shapes:
-  the Triton kernel's split rows (float32 1 x 4096, 2 x 8192, bfloat16
-  2 x 8192) meet 6 times on block 0, whose meeting word starts 5 before its
-  wrap."""
+  the Triton kernel's split rows (float32 1 x 4096 and 2 x 8192, bfloat16
+  2 x 8192, over 4 programs; float32 8 x 4096 over 4, 2 or 1 with the rig's
+  64 / n blocks at n = 2, 4, 8) meet 6 to 8 times on block 0, whose meeting
+  word starts 5 before its wrap: rows of 4 programs, then 2 or 1, then 4
+  again."""
   import jax
   import numpy as np
   from jax.sharding import NamedSharding
@@ -370,7 +372,8 @@ def residual_rmsnorm_mode(args) -> dict:
   with b12x_jax.channel("mp_fused"):
     for _, dtype_name in itertools.product(range(2 if args.wrap else 1), DTYPES):
       # Inside the Lamport cells of 64 blocks. 3 rows of 16: rows narrower than a warp (the Triton
-      # kernel reads them again after its polls); 4096 words or more: a row over several programs.
+      # kernel reads them again after its polls); 4096 words or more: a row over several programs (fewer
+      # where 4 a row would take more than the channel's blocks).
       for rows, hidden in FUSED_CASES:
         decided = len(comm.decisions)
         shards, residual, weight = residual_rmsnorm_inputs(rng, jax.device_count(), rows, hidden, dtype_name)

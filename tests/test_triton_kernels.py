@@ -200,7 +200,7 @@ def test_each_device_gets_its_own_addresses_and_the_generation_of_its_preparatio
     assert again["lamport"] == views[0]["lamport"] and again["generation"] > views[0]["generation"]
 
 
-_SIGNAL_WORDS = ("lamport_calls", "lamport_buffer", "lamport_packs", "served", "poisoned", "generation", "row_partial",
+_SIGNAL_WORDS = ("lamport_calls", "lamport_buffer", "lamport_packs", "served", "poisoned", "generation", "row_shares",
                  "row_arrivals")
 _ERROR_WORDS = ("state", "kind", "rank", "peer", "epoch", "peer_gave_up", "first_call", "expected", "seen",
                 "channel_generation")
@@ -429,7 +429,8 @@ def _record_inline_asm(monkeypatch) -> list[tuple[int, list]]:
 
 def _assert_one_thread_per_polled_element(warps: int, asms: list) -> None:
   from b12x_jax import kernels as triton
-  polled = {triton.exchange._LOAD, triton.exchange._LOAD_IF, triton.exchange._CLOCK, triton.exchange._LOAD_ACQUIRE, triton.exchange._ARRIVE}
+  polled = {triton.exchange._LOAD, triton.exchange._LOAD_IF, triton.exchange._CLOCK, triton.exchange._LOAD_SLOT,
+            triton.exchange._STORE_SLOT, triton.exchange._ADD}
   shapes = {shape for code, shape in asms if code in polled}
   assert shapes and all(len(shape) == 1 and shape[0] >= 32 * warps for shape in shapes), (warps, shapes)
   assert {code for code, _ in asms} <= polled | {triton.exchange._LOAD_ARRIVED, triton.exchange._LOAD_OWN, triton.exchange._STORE,
@@ -439,24 +440,27 @@ def _assert_one_thread_per_polled_element(warps: int, asms: list) -> None:
   assert sum(code == triton.exchange._LOAD_OWN for code, _ in asms) == len(triton.exchange.OWN_WORDS), asms
 
 
-def test_a_row_over_several_programs_lowers_with_their_meeting(monkeypatch):
+@pytest.mark.parametrize("max_blocks, split", [(64, 4), (4, 2)])
+def test_a_row_over_several_programs_lowers_with_their_meeting(monkeypatch, max_blocks, split):
   # Host channels have one block, so the program above never splits a row: the kernel of a
-  # 64-block plan, lowered on its own. Each of the 4 programs of the row publishes its share
-  # and adds to the row's meeting word (release), waits for the others' (acquire), reading the shares in
-  # the poll that finds them all arrived.
+  # plan of more blocks, lowered on its own. Each program of the row stores its share and the call's
+  # tag in its slot, one 64-bit word, resets the slots a split of fewer programs leaves unused, adds to
+  # the row's meeting word, and polls the row's slots.
+  from b12x_jax import _native
   from b12x_jax import kernels as triton
-  plan = triton.rows_plan(_plan(cell_words=8192), 2, 4 * 4096, "bfloat16", 0)
-  assert plan.split == 4 and plan.grid == 8
+  plan = triton.rows_plan(_plan(max_blocks, cell_words=8192), 2, 4 * 4096, "bfloat16", 0)
+  assert plan.split == split and plan.grid == 2 * split
   kernels = _record_inline_asm(monkeypatch)
   fn = jax.jit(lambda x, r, w, row: triton.residual_rmsnorm.residual_rmsnorm(
       x, r, w, row, plan, eps=1e-6, channel="split", poison=False))
   args = [jax.ShapeDtypeStruct((2, 8192), jnp.bfloat16), jax.ShapeDtypeStruct((2, 8192), jnp.bfloat16),
           jax.ShapeDtypeStruct((8192,), jnp.bfloat16), jax.ShapeDtypeStruct((triton.ROW_WORDS,), jnp.int32)]
   text = lower_for_cuda(fn, args, monkeypatch)
-  assert text.count('@__gpu$xla.gpu.triton') == 1 and "grid_x = 8" in text
+  assert text.count('@__gpu$xla.gpu.triton') == 1 and f"grid_x = {2 * split}" in text
   ((warps, asms),) = kernels
   codes = [code for code, _ in asms]
-  assert codes.count(triton.exchange._ARRIVE) == 1 and codes.count(triton.exchange._LOAD_ACQUIRE) == 1
+  assert codes.count(triton.exchange._ADD) == 1 and codes.count(triton.exchange._LOAD_SLOT) == 1
+  assert codes.count(triton.exchange._STORE_SLOT) == _native.MAX_ROW_SPLIT // split
   _assert_one_thread_per_polled_element(warps, asms)
 
 

@@ -67,13 +67,27 @@ OWN_WORDS = ("lamport_buffer", "lamport_calls", "lamport_packs", "served")
 # The same where $4 is non-zero, else 0 without touching memory ($5: the dependency).
 _LOAD_IF = ("{ .reg .b64 a; .reg .b64 o; .reg .pred p; setp.ne.u32 p, $4, 0; mov.b64 a, {$1, $2}; "
             "cvt.u64.u32 o, $3; add.u64 a, a, o; mov.u32 $0, 0; @p ld.volatile.global.u32 $0, [a]; }")
-# The acquire load of a split row's meeting word (it orders the loads of the shares after it).
-_LOAD_ACQUIRE = _LOAD.replace("ld.volatile.global.u32", "ld.acquire.gpu.global.u32")
-# Adds $5 to the word at (lo, hi) + off where $4 is non-zero, releasing this
-# thread's stores before it; returns 0 at once, not the word before ($6: the
-# dependency).
-_ARRIVE = ("{ .reg .b64 a; .reg .b64 o; .reg .pred p; setp.ne.u32 p, $4, 0; mov.b64 a, {$1, $2}; "
-           "cvt.u64.u32 o, $3; add.u64 a, a, o; @p red.release.gpu.global.add.u32 [a], $5; mov.u32 $0, 0; }")
+# A split row's share slot (Signal::row_shares), one 64-bit word: a share
+# and the call it belongs to travel in one access, so a reader that sees the
+# call's tag sees its share, and no fence orders one before the other.
+# _STORE_SLOT stores ($4 low, $5 high) at (lo, hi) + off where $6 is
+# non-zero, returns 0 ($7: the dependency). _LOAD_SLOT reads the slot at
+# (lo, hi) + off where $4 is non-zero and returns its share where its tag
+# is $5, else NOT_MET ($6: the dependency).
+_STORE_SLOT = ("{ .reg .b64 a; .reg .b64 o; .reg .b64 v; .reg .pred p; setp.ne.u32 p, $6, 0; mov.b64 a, {$1, $2}; "
+               "cvt.u64.u32 o, $3; add.u64 a, a, o; mov.b64 v, {$4, $5}; @p st.relaxed.gpu.global.u64 [a], v; "
+               "mov.u32 $0, 0; }")
+NOT_MET = 0x7FFFFFFF  # a NaN no share is: a share's NaN is stored as CANONICAL_NAN
+CANONICAL_NAN = 0x7FC00000
+_LOAD_SLOT = ("{ .reg .b64 a; .reg .b64 o; .reg .b64 v; .reg .b32 share; .reg .b32 tag; .reg .pred p; .reg .pred m; "
+              "setp.ne.u32 p, $4, 0; mov.b64 a, {$1, $2}; cvt.u64.u32 o, $3; add.u64 a, a, o; mov.b64 v, 0; "
+              "@p ld.relaxed.gpu.global.u64 v, [a]; mov.b64 {share, tag}, v; setp.eq.u32 m, tag, $5; "
+              f"selp.b32 $0, share, {NOT_MET}, m; }}")
+# Adds $5 to the word at (lo, hi) + off where $4 is non-zero, ordering
+# nothing (a later call reads it, after this kernel ends); returns 0 at
+# once, not the word before ($6: the dependency).
+_ADD = ("{ .reg .b64 a; .reg .b64 o; .reg .pred p; setp.ne.u32 p, $4, 0; mov.b64 a, {$1, $2}; "
+        "cvt.u64.u32 o, $3; add.u64 a, a, o; @p red.relaxed.gpu.global.add.u32 [a], $5; mov.u32 $0, 0; }")
 # Stores $4 at (lo, hi) + off where $5 is non-zero; returns 0 ($6: the dependency).
 _STORE = ("{ .reg .b64 a; .reg .b64 o; .reg .pred p; setp.ne.u32 p, $5, 0; mov.b64 a, {$1, $2}; "
           "cvt.u64.u32 o, $3; add.u64 a, a, o; @p st.volatile.global.u32 [a], $4; mov.u32 $0, 0; }")
@@ -321,6 +335,9 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
   def store(base, offset, value, enabled, dep):
     return asm(_STORE, *base, offset, value, enabled.astype(U32), dep, shape=jnp.shape(dep))
 
+  def store_slot(base, offset, low, high, enabled, dep):  # a split row's share slot
+    return asm(_STORE_SLOT, *base, offset, low, high, enabled.astype(U32), dep, shape=jnp.shape(dep))
+
   def clock(dep):  # this thread's reading of each element (the checks reduce it)
     return asm(_CLOCK, dep)
 
@@ -559,33 +576,38 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
     row_total = row_share(cells, rank)
   if split > 1:
     head = lanes == 0
-    share_bits = jax.lax.bitcast_convert_type(row_total, U32)
+    share_bits = jnp.where(row_total != row_total, jnp.int32(CANONICAL_NAN), jax.lax.bitcast_convert_type(row_total, U32))
     share_bits = jnp.broadcast_to(jnp.where(exchanged, share_bits, share_bits | jnp.int32(-2**31)), control)
-    put = store(own_signal, sig_off["row_partial"] + 4 * block, share_bits, head, share_bits)
+
+    def slot(t):  # the row's t-th share slot: the row's first block's
+      return sig_off["row_shares"] + 8 * (first * _native.MAX_ROW_SPLIT + t)
+
+    # This program's share, tagged with the call (never 0: the target's low half is 0), then the row's slots
+    # this call's split leaves unused, reset to 0, so that no later call of more programs finds an older
+    # call's share there: every slot then holds 0 or this row's last call's tag.
+    tag = met_target + 1
+    put = store_slot(own_signal, slot(block - first), share_bits, tag, head, share_bits)
+    for k in range(1, _native.MAX_ROW_SPLIT // split):
+      put = put | store_slot(own_signal, slot(block - first + k * split), zero, zero, head, put)
     # After the start's reading of the word (the dependency): else it could read this program's own add.
-    arrived = asm(_ARRIVE, *own_signal, sig_off["row_arrivals"] + 4 * first, head.astype(U32), 65536 // split,
+    arrived = asm(_ADD, *own_signal, sig_off["row_arrivals"] + 4 * first, head.astype(U32), 65536 // split,
                   put | met_target)
     met_start = clock(arrived)
     # Above the exchange's own bound: a sibling still waiting for a peer
     # records that peer's timeout before this wait ends.
     met_bound = jnp.minimum(bound, _MAX_WAIT_UNITS - table[_TIMEOUT]) + table[_TIMEOUT]
     met_spins = jnp.minimum(met_bound, _MAX_WAIT_UNITS // _SPINS_PER_UNIT) * _SPINS_PER_UNIT
+    share_lane = lanes < split
 
     def met_cond(carry):
       return jnp.logical_and(carry[1] == 0, carry[2] == 0)
 
     def met_body(carry):
       step = jnp.broadcast_to(carry[0], control)
-      # One acquire a thread (the same arguments in each of its elements), then, where it shows every
-      # arrival, the shares' loads, after it by their dependency: the poll that finds the row met reads
-      # the shares too.
-      arrivals = asm(_LOAD_ACQUIRE, *own_signal, sig_off["row_arrivals"] + 4 * first, step)
-      arrived_all = arrivals - met_target >= 0  # wrap-safe: the difference as a signed word
-      share_lane = lanes < split
-      shares = load_if(own_signal, sig_off["row_partial"] + 4 * (first + jnp.where(share_lane, lanes, 0)),
-                       jnp.logical_and(share_lane, arrived_all), arrivals)
-      met = jnp.min(arrived_all.astype(jnp.int32)) > 0  # in every thread: the shares of this poll are the call's
-      waited = clock(step | arrivals) - met_start
+      # Lane t reads slot t whole: where its tag is this call's, its share is this call's.
+      shares = asm(_LOAD_SLOT, *own_signal, slot(jnp.where(share_lane, lanes, 0)), share_lane.astype(U32), tag, step)
+      met = jnp.min(jnp.logical_or(jnp.logical_not(share_lane), shares != NOT_MET).astype(jnp.int32)) > 0
+      waited = clock(step | shares) - met_start
       late = jnp.logical_and(jnp.logical_not(met), jnp.logical_or(any_(waited > met_bound), carry[0] > met_spins))
       return carry[0] + 1, met.astype(jnp.int32), late.astype(jnp.int32), shares
 
@@ -594,7 +616,7 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
     met_late = jnp.logical_and(row_late, exchanged)
     # A program of a failed row that exchanged well still refills and advances its block: every failure
     # poisons the channel (the record below), so no later call reads that block's buffers.
-    row_failed = jnp.logical_or(row_late, jnp.min(jnp.where(lanes < split, shares, 0)) < 0)
+    row_failed = jnp.logical_or(row_late, jnp.min(jnp.where(share_lane, shares, 0)) < 0)
     row_total = functools.reduce(jnp.add, [jax.lax.bitcast_convert_type(
         jnp.max(jnp.where(lanes == t, shares & jnp.int32(0x7FFFFFFF), 0)), jnp.float32) for t in range(split)])
     sink = sink | put

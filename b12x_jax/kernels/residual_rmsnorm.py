@@ -26,7 +26,7 @@ from b12x_jax.kernels.exchange import (MAX_TILE_WORDS, NAN_WORDS, Plan, as_words
 # words, no gain beyond a noisy machine's spread.
 SPLIT_ROW_WORDS = 4096
 MIN_SPLIT_WORDS = 1024
-MAX_SPLIT = 4
+MAX_SPLIT = _native.MAX_ROW_SPLIT  # the meeting's slots a row (ffi/channel.h Signal::row_shares)
 
 
 def rows_problem(rows: int, row_bytes: int, cell_bytes: int, max_blocks: int) -> str | None:
