@@ -259,6 +259,7 @@ B12X_HD void start_signal_counters(Signal& s, uint32_t calls) {
     s.lamport_buffer[b] = calls % kLamportBuffers;  // any start agreed on by every rank
     s.lamport_packs[b] = 0;
     s.row_arrivals[b] = calls << 16;  // the split rows' meeting word crosses the wrap with the calls
+    for (uint64_t& slot : s.row_shares[b]) slot = 0;  // no call's tag (docs/DESIGN.md, "Triton kernels")
   }
 }
 

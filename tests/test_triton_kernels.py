@@ -380,9 +380,10 @@ def triton_kernel_case(name: str):
   words), "all_reduce loopback", "all_reduce bfloat16, 8 ranks" (a block of
   2048 words: 8 warps), "dcp_a2a" ([1, 16, 64] over 2 ranks: one block of 8
   rows of 32 words per destination), "fused, one program a row", "fused,
-  a row over 4 programs" and "fused, a wide row in one program" (a channel
-  of 2 blocks: 4096 words a program, its residual and weight read late).
-  tests/test_triton_compile.py compiles them."""
+  a row over 4 programs", "fused, a wide row in one program" (a channel of 2
+  blocks: 4096 words a program, its residual and weight read late) and
+  "fused, a row over 2 programs" (a channel of 4 blocks: the unused share
+  slots reset). tests/test_triton_compile.py compiles them."""
   from b12x_jax import kernels as triton
   row = jax.ShapeDtypeStruct((triton.ROW_WORDS,), jnp.int32)
   if name.startswith("all_reduce"):
@@ -400,7 +401,7 @@ def triton_kernel_case(name: str):
     return (lambda o, lse, t: triton.dcp_a2a.dcp_a2a(o, lse, t, plan, base2=False, return_lse=True, channel="c",
                                                       poison=False)), args
   hidden, split, blocks = {"fused, one program a row": (2048, 1, 64), "fused, a row over 4 programs": (8192, 4, 64),
-                           "fused, a wide row in one program": (8192, 1, 2)}[name]
+                           "fused, a wide row in one program": (8192, 1, 2), "fused, a row over 2 programs": (8192, 2, 4)}[name]
   plan = triton.rows_plan(_plan(blocks, cell_words=8192), 2, 2 * hidden, "bfloat16", 0)
   assert plan.split == split, plan.split
   args = (jax.ShapeDtypeStruct((2, hidden), jnp.bfloat16),) * 2 + (jax.ShapeDtypeStruct((hidden,), jnp.bfloat16), row)

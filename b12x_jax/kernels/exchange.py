@@ -576,7 +576,10 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
     row_total = row_share(cells, rank)
   if split > 1:
     head = lanes == 0
-    share_bits = jnp.where(row_total != row_total, jnp.int32(CANONICAL_NAN), jax.lax.bitcast_convert_type(row_total, U32))
+    share_bits = jax.lax.bitcast_convert_type(row_total, U32)
+    # A NaN by its bits, not x != x, which a fast-math compile may fold away: NOT_MET is the NaN a GPU makes.
+    share_bits = jnp.where((share_bits & jnp.int32(0x7FFFFFFF)) > jnp.int32(0x7F800000), jnp.int32(CANONICAL_NAN),
+                           share_bits)
     share_bits = jnp.broadcast_to(jnp.where(exchanged, share_bits, share_bits | jnp.int32(-2**31)), control)
 
     def slot(t):  # the row's t-th share slot: the row's first block's

@@ -19,8 +19,8 @@ from b12x_jax.kernels.exchange import (MAX_TILE_WORDS, NAN_WORDS, Plan, as_words
 # The fused op's rows over several programs (row_split): a row of at least
 # SPLIT_ROW_WORDS words splits, each program keeps at least MIN_SPLIT_WORDS
 # of it, a row takes at most MAX_SPLIT programs. Loopback, bf16, measured
-# again with the cheaper meeting (benchmarks/RESULTS.md, 2026-12-06, one
-# H100): 4096-word rows over 4 programs 0.4-0.6 us faster than over 2 and
+# with the release/acquire meeting before the tagged slots (benchmarks/
+# RESULTS.md, 2026-12-06, one H100): 4096-word rows over 4 programs 0.4-0.6 us faster than over 2 and
 # 0.7-1.0 faster than over one; 2048-word rows over 2 0.7-0.9 us slower than
 # over one (the meeting costs more than it saves); over 8 programs of 512
 # words, no gain beyond a noisy machine's spread.
