@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import b12x_jax
+from b12x_jax import _compat
 from conftest import run_worker
 from helpers import (DTYPES, assert_merge_matches, assert_names_both_calls, assert_sum_matches, attention_shards,
                      fresh_communicator, random_shards)
@@ -141,6 +142,44 @@ def test_interleaves_with_all_reduce_on_one_channel_in_one_jit(cpu_mesh):
       assert np.array_equal(z[0], z[1])
       assert all(comm.stats("shared", d)["epoch"] == 3 * call for d in mesh.devices.flat)
   assert [d.op for d in list(comm.decisions)[-3:]] == ["all_reduce", "dcp_a2a", "all_reduce"]
+
+
+@pytest.mark.parametrize("batch, heads, dim", [(0, 4, 16), (0, 4, 4), (2, 0, 16)])
+def test_an_empty_merge_beside_an_all_reduce_gives_empty_results_of_the_merges_type(cpu_mesh, batch, heads, dim):
+  # An empty all_to_all, or an empty call of ours, beside another collective segfaults XLA:CPU's compiler
+  # (jax 0.11.2): the empty merge runs no collective. (0, 4, 4): rows of 8 bytes, the fallback's shape.
+  n = 2
+  mesh = jax.make_mesh((n, 2), ("x", "y"), devices=jax.devices("cpu")[:4])
+  rng = np.random.default_rng(23)
+
+  def body(x, out, lse):
+    return b12x_jax.all_reduce(x, "x"), *b12x_jax.dcp_a2a(out, lse, "x", return_lse=True)
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x"), P("x", "y")),
+                             out_specs=(P("x"), P("x", "y"), P("x", "y"))))  # the merge varies as lse does
+  out = jax.device_put(np.ones((n * batch, heads, dim), jnp.bfloat16), NamedSharding(mesh, P("x")))
+  lse = jax.device_put(np.zeros((n * batch, 2 * heads), np.float32), NamedSharding(mesh, P("x", "y")))
+  channel = f"empty-merge-{batch}-{heads}-{dim}"
+  with b12x_jax.channel(channel):
+    for call in range(1, 3):
+      x = random_shards(rng, n, 64, np.float32)
+      total, merged, merged_lse = jax.block_until_ready(fn(_put(mesh, x), out, lse))  # every replica's call
+      assert_sum_matches(np.asarray(total).reshape(n, -1), x, "float32")
+      assert merged.shape == (n * batch, 2 * heads // n, dim) and merged.dtype == jnp.bfloat16
+      assert merged_lse.shape == (n * batch, 2 * heads // n) and merged_lse.dtype == np.float32
+      epochs = [b12x_jax.get_communicator().stats(channel, d)["epoch"] for d in mesh.devices.flat]
+      assert epochs == [call] * 4, (epochs, b12x_jax.get_communicator().decisions[-2:])  # the all_reduce's alone
+  seen = []  # traced only: the fallback's empty all_to_all beside the all_reduce is what segfaults
+
+  def types(out, lse):
+    ours = b12x_jax.dcp_a2a(out, lse, "x", return_lse=True)
+    theirs = b12x_jax.ops.dcp_a2a._all_to_all_path(out, lse, axis_name="x", base2=False, return_lse=True)
+    seen.extend(zip(map(jax.typeof, ours), map(jax.typeof, theirs)))
+    return ours[0]
+
+  jax.jit(jax.shard_map(types, mesh=mesh, in_specs=(P("x"), P("x", "y")), out_specs=P("x", "y"))).trace(out, lse)
+  assert len(seen) == 2 and all(ours == theirs for ours, theirs in seen), seen
+  assert _compat.varying_axes(seen[1][0]) == {"x", "y"}, seen
 
 
 def test_target_and_draft_lower_to_their_channels_and_advance_their_counters(cpu_mesh):
