@@ -169,17 +169,23 @@ def test_an_empty_merge_beside_an_all_reduce_gives_empty_results_of_the_merges_t
       assert merged_lse.shape == (n * batch, 2 * heads // n) and merged_lse.dtype == np.float32
       epochs = [b12x_jax.get_communicator().stats(channel, d)["epoch"] for d in mesh.devices.flat]
       assert epochs == [call] * 4, (epochs, b12x_jax.get_communicator().decisions[-2:])  # the all_reduce's alone
-  seen = []  # traced only: the fallback's empty all_to_all beside the all_reduce is what segfaults
+  # Traced only (the fallback's empty all_to_all beside the all_reduce is what segfaults): the types of
+  # the fallback, with out varying over fewer axes than lse, and over more.
+  wide_out = jax.device_put(np.ones((n * batch, 2 * heads, dim), jnp.bfloat16), NamedSharding(mesh, P("x", "y")))
+  narrow_lse = jax.device_put(np.zeros((n * batch, heads), np.float32), NamedSharding(mesh, P("x")))
+  for args, specs, lse_axes in (((out, lse), (P("x"), P("x", "y")), {"x", "y"}),
+                                ((wide_out, narrow_lse), (P("x", "y"), P("x")), {"x"})):
+    seen = []
 
-  def types(out, lse):
-    ours = b12x_jax.dcp_a2a(out, lse, "x", return_lse=True)
-    theirs = b12x_jax.ops.dcp_a2a._all_to_all_path(out, lse, axis_name="x", base2=False, return_lse=True)
-    seen.extend(zip(map(jax.typeof, ours), map(jax.typeof, theirs)))
-    return ours[0]
+    def types(out, lse):
+      ours = b12x_jax.dcp_a2a(out, lse, "x", return_lse=True)
+      theirs = b12x_jax.ops.dcp_a2a._all_to_all_path(out, lse, axis_name="x", base2=False, return_lse=True)
+      seen.extend(zip(map(jax.typeof, ours), map(jax.typeof, theirs)))
+      return ours[0]
 
-  jax.jit(jax.shard_map(types, mesh=mesh, in_specs=(P("x"), P("x", "y")), out_specs=P("x", "y"))).trace(out, lse)
-  assert len(seen) == 2 and all(ours == theirs for ours, theirs in seen), seen
-  assert _compat.varying_axes(seen[1][0]) == {"x", "y"}, seen
+    jax.jit(jax.shard_map(types, mesh=mesh, in_specs=specs, out_specs=P("x", "y"))).trace(*args)
+    assert len(seen) == 2 and all(ours == theirs for ours, theirs in seen), seen
+    assert _compat.varying_axes(seen[0][0]) == {"x", "y"} and _compat.varying_axes(seen[1][0]) == lse_axes, seen
 
 
 def test_target_and_draft_lower_to_their_channels_and_advance_their_counters(cpu_mesh):
@@ -285,6 +291,11 @@ def test_one_device_axis_merges_locally(cpu_mesh):
                                                 all_empty=((0, 1),))
   got, got_lse = _run(_per_rank(mesh, return_lse=True), mesh, outs, lses)
   assert_merge_matches(got, got_lse, outs, want, want_lse, "bfloat16")
+  for batch in (2, 0):  # an empty batch has the type of a full one: the local merge, not the empty path
+    merge = jax.jit(jax.shard_map(lambda o, l: b12x_jax.dcp_a2a(o, l, "x", return_lse=True), mesh=mesh,
+                                  in_specs=(P(), P()), out_specs=(P(), P())))
+    got, got_lse = merge(np.ones((batch, 2, 16), jnp.bfloat16), np.zeros((batch, 2), np.float32))
+    assert got.shape == (batch, 2, 16) and got_lse.shape == (batch, 2)
 
 
 @pytest.mark.parametrize("out_shape, out_dtype, lse_shape, lse_dtype, kwargs, error, match", [

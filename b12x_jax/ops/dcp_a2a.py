@@ -106,9 +106,10 @@ def dcp_a2a(out, lse, axis_name: str, *, return_lse: bool = False, lse_base: str
   fit the communicator's ``capacity_bytes`` (the barrier protocol);
   otherwise ``jax.lax.all_to_all`` plus the same merge in jnp (policy
   "auto") or an IneligibleError (policy "strict"). The choice is recorded
-  in ``get_communicator().decisions``. An empty ``out`` (B or H of 0) gives
-  empty results of the same type with no collective and no decision, as
-  ``all_reduce`` of an empty array does. Under ``jax.vmap`` the batches are
+  in ``get_communicator().decisions``. An empty ``out`` (B or H of 0) over
+  a mesh axis gives empty results of the same type with no collective and
+  no decision (so no IneligibleError either), as ``all_reduce`` of an empty
+  array does. Under ``jax.vmap`` the batches are
   folded into B: one call, its path chosen for the folded size. Over a
   ``vmap`` axis name the fallback runs (policy "auto") or an
   IneligibleError says why (policy "strict").
@@ -124,10 +125,10 @@ def dcp_a2a(out, lse, axis_name: str, *, return_lse: bool = False, lse_base: str
   row_bytes = dim * out.dtype.itemsize
   symbolic, not_mesh = why_not_concrete("out", out), why_not_a_mesh_axis(axis_name)
   why_not = not_mesh or symbolic or _why_not_tagged(heads, row_bytes)
-  if symbolic is None and not_mesh is None and out.size == 0:
-    results = _empty_merge(out, lse, axis_name, return_lse)
-  elif size == 1 and not comm.loopback:  # loopback: a group of one runs the exchange too
+  if size == 1 and not comm.loopback:  # loopback: a group of one runs the exchange too
     results = _merge(out[None], lse[None], base2=base2, return_lse=return_lse)
+  elif symbolic is None and not_mesh is None and out.size == 0:
+    results = _empty_merge(out, lse, axis_name, return_lse)
   elif why_not is not None:
     comm.outside_window(_OP, name, *why_not, fallback=_FALLBACK)
     results = _all_to_all_path(out, lse, axis_name=axis_name, base2=base2, return_lse=return_lse)
@@ -177,10 +178,11 @@ def _empty_merge(out, lse, axis_name: str, return_lse: bool) -> list:
   rank has the same shapes, so every rank skips the call alike."""
   batch, heads, dim = out.shape
   shard_heads = heads // jax.lax.axis_size(axis_name)
-  varying = tuple(sorted(_compat.varying_axes(jax.typeof(out)) | _compat.varying_axes(jax.typeof(lse)) | {axis_name},
-                         key=str))
-  results = [jnp.zeros((batch, shard_heads, dim), out.dtype), jnp.zeros((batch, shard_heads), lse.dtype)]
-  return [jax.lax.pcast(r, varying, to="varying") for r in results[:1 + return_lse]]
+  lse_axes = _compat.varying_axes(jax.typeof(lse)) | {axis_name}  # as _abstract_eval gives them
+  out_axes = _compat.varying_axes(jax.typeof(out)) | lse_axes
+  results = [(jnp.zeros((batch, shard_heads, dim), out.dtype), out_axes),
+             (jnp.zeros((batch, shard_heads), lse.dtype), lse_axes)]
+  return [jax.lax.pcast(r, tuple(sorted(axes, key=str)), to="varying") for r, axes in results[:1 + return_lse]]
 
 
 def _merge(outs, lses, *, base2: bool, return_lse: bool) -> list:
