@@ -319,14 +319,20 @@ std::string timeout_message(const ChannelGroup& group, int rank) {
     // processes (start-up skew); within one process it is timeout_s.
     bool one_process = true;
     for (int r = 0; r < group.world(); ++r) one_process = one_process && group.is_local(r);
+    // XLA:CPU runs the executions of one process's devices on a few threads:
+    // with several queued, a peer's can wait behind a blocked one (README, Limits).
+    bool cpu_devices = group.platform() == Platform::kHost && one_process;
     std::snprintf(text, sizeof(text),
                   "b12x_jax: channel '%s' rank %d timed out after %.3g s at epoch %u waiting for "
                   "rank %d, which did not arrive%s. The channel is poisoned: release it "
-                  "(Communicator.release) and prepare it again; raise %s if the peer is only slow.",
+                  "(Communicator.release) and prepare it again; raise %s if the peer is only slow%s.",
                   group.channel().c_str(), record.rank,
                   record.first_call ? group.options().setup_timeout_s : group.options().timeout_s, record.epoch,
                   record.peer, record.first_call ? " at the channel's first call" : "",
-                  record.first_call && !one_process ? "setup_timeout_s" : "timeout_s");
+                  record.first_call && !one_process ? "setup_timeout_s" : "timeout_s",
+                  cpu_devices ? ", and on CPU devices block on each execution's results before the next "
+                                "(XLA:CPU's few threads can leave a peer's execution queued behind this one)"
+                              : "");
   }
   return text;
 }

@@ -124,6 +124,18 @@ def test_every_example_runs_under_the_operators_policy_and_labels_the_path_taken
   assert "None kernel" not in proc.stdout, proc.stdout
 
 
+def test_the_quickstart_reports_each_channels_own_calls():
+  # It printed the last decision of any channel (a cached executable's call records none: the draft's,
+  # beside the second target call) and "1 calls".
+  proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "quickstart.py")], capture_output=True, text=True,
+                        timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu", "B12X_JAX_POLICY": "auto",
+                                          "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  for line in (r"^channel target : 2 calls on rank 0$", r"^channel draft  : 1 call on rank 0$"):
+    assert re.search(line, proc.stdout, re.M), (line, proc.stdout)
+  assert len(re.findall(r"^channel \w+ +: max relative error \S+, path b12x$", proc.stdout, re.M)) == 3, proc.stdout
+
+
 def test_two_processes_show_process_0s_output_once_without_the_runtime_noise():
   proc = run_example("dcp_decode.py", "--processes", "2", "--steps", "2", "--repeats", "1", devices=1, timeout=300.0)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
