@@ -124,11 +124,12 @@ def test_a_tuple_of_axes_and_axis_index_groups_match_psum(cpu_mesh):
   x = _sharded(mesh, np.random.default_rng(3).standard_normal((2 * 4, 2 * 8)).astype(np.float32), P("a", "b"))
   with fresh_communicator() as comm, b12x_jax.channel("axes"):
     for body in (lambda r, v: r(v, ("a", "b")), lambda r, v: r(v, ("b",)), lambda r, v: r(v, "a"),
-                 lambda r, v: r(v, "b", axis_index_groups=[[0, 1]])):
+                 lambda r, v: r(v, "b", axis_index_groups=[[1, 0]]),  # one group of the whole axis: b12x's
+                 lambda r, v: r(v, "b", axis_index_groups=[[0], [1]])):
       ours, theirs = _both(mesh, body, x, in_specs=P("a", "b"), out_specs=P("a", "b"), check_vma=False)
       np.testing.assert_allclose(ours, theirs, rtol=1e-6)
     paths = [d.path for d in comm.decisions if d.channel == "axes"]
-    assert paths == ["psum", "b12x", "b12x", "psum"], comm.decisions
+    assert paths == ["psum", "b12x", "b12x", "b12x", "psum"], comm.decisions
 
 
 def test_a_pytree_matches_psum(cpu_mesh):

@@ -57,9 +57,10 @@ def all_reduce(x, axis_name, *, axis_index_groups=None, channel: str | None = No
   an int.
   ``axis_name`` a name or a tuple of names, and ``axis_index_groups`` what
   psum takes. The b12x path takes
-  one shard_map mesh axis without groups, float32/bfloat16/float16 payloads
-  that are a multiple of 16 bytes and at most the communicator's
-  ``capacity_bytes``; anything else (a tuple of several axes, groups, a
+  one shard_map mesh axis without groups (or with one group of the whole
+  axis), float32/bfloat16/float16 payloads that are a multiple of 16 bytes
+  and at most the communicator's ``capacity_bytes``; anything else (a tuple
+  of several axes, groups that split the axis, a
   ``vmap`` axis name) is psum under policy "auto" or an IneligibleError
   under "strict". Under "auto", psum also where the measured crossovers say
   it is faster. Above the Lamport window the kernel is one-shot or two-shot
@@ -204,12 +205,24 @@ def _empty_sum(x: jax.Array, axes: tuple, like: jax.ShapeDtypeStruct) -> jax.Arr
 
 def _why_psum_only(axes: tuple, axis_index_groups) -> tuple[str, str] | None:
   """(reason, fix) where only psum can run the sum, else None: a channel is
-  one group of devices along one shard_map mesh axis."""
-  if axis_index_groups is not None:
-    return "axis_index_groups splits the axis into groups", "Sum over a mesh axis of the group's size instead"
+  one group of devices along one shard_map mesh axis (axis_index_groups of
+  one group of the whole axis is that group)."""
   if len(axes) != 1:
     return f"it sums over several axes {axes}", "Sum over one mesh axis per call"
-  return why_not_a_mesh_axis(axes[0])
+  why_not = why_not_a_mesh_axis(axes[0])
+  if why_not is None and axis_index_groups is not None and not _the_whole_axis(axis_index_groups, axes[0]):
+    return "axis_index_groups splits the axis into groups", "Sum over a mesh axis of the group's size instead"
+  return why_not
+
+
+def _the_whole_axis(axis_index_groups, axis) -> bool:
+  """Whether ``axis_index_groups`` is one group of every index of ``axis``
+  (groups psum would reject are not: psum then says why)."""
+  try:
+    groups = [sorted(int(i) for i in group) for group in axis_index_groups]
+  except (TypeError, ValueError):
+    return False
+  return groups == [list(range(jax.lax.axis_size(axis)))]
 
 
 def _algorithm(comm, nbytes: int, size: int) -> tuple[str, str, str | None]:
