@@ -108,6 +108,15 @@ def why_not_concrete(arg: str, x: jax.Array) -> tuple[str, str] | None:
           f"call is planned for concrete sizes", f"Export with concrete shapes (one export per size) for b12x")
 
 
+def empty_result(shape: tuple[int, ...], dtype, axes) -> jax.Array:
+  """An empty result of a collective that runs none (XLA:CPU segfaults
+  compiling an empty collective beside another one): zeros of ``shape`` and
+  ``dtype`` varying over the mesh ``axes``, the type the collective's result
+  would have. Every rank has the same shapes, so every rank skips alike."""
+  empty = jnp.zeros(shape, dtype)  # varies over no axis
+  return jax.lax.pcast(empty, tuple(sorted(axes, key=str)), to="varying") if axes else empty
+
+
 def register_batcher(primitive: Primitive, op: str, rule: Callable) -> None:
   """Batches ``primitive`` by ``rule(args, dims, **params)``. A call bound
   under a ``vmap`` whose axis name is the call's axis (the op's fallback

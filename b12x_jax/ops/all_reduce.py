@@ -12,8 +12,8 @@ from b12x_jax.channels import resolve_channel, validate_channel_name
 from b12x_jax.communicator import get_communicator
 from b12x_jax.policy import PACK_BYTES
 from b12x_jax import kernels
-from b12x_jax.ops._common import (axis_size, call_site, collective_primitive, register_batcher, why_not_a_mesh_axis,
-                                  why_not_concrete)
+from b12x_jax.ops._common import (axis_size, call_site, collective_primitive, empty_result, register_batcher,
+                                  why_not_a_mesh_axis, why_not_concrete)
 
 _OP = "all_reduce"
 _TARGET = "b12x_all_reduce"
@@ -194,13 +194,10 @@ def _all_reduce_leaf(x: jax.Array, axis_name, axis_index_groups, channel: str | 
 
 def _empty_sum(x: jax.Array, axes: tuple, like: jax.ShapeDtypeStruct) -> jax.Array:
   """The sum of an empty ``x`` over ``axes``: an empty array of psum's type
-  with no collective (XLA:CPU segfaults on an empty psum beside another
-  all-reduce). ``like`` is psum's result traced apart (eval_shape: its
-  dtype, int32 for bool, and its errors); the varying axes, which it does
-  not keep, are x's other axes."""
-  varying = tuple(sorted(_compat.varying_axes(jax.typeof(x)) - set(axes), key=str))
-  empty = jnp.zeros(x.shape, like.dtype)  # varies over no axis
-  return jax.lax.pcast(empty, varying, to="varying") if varying else empty
+  with no collective (empty_result). ``like`` is psum's result traced apart
+  (eval_shape: its dtype, int32 for bool, and its errors); the varying
+  axes, which it does not keep, are x's other axes."""
+  return empty_result(x.shape, like.dtype, _compat.varying_axes(jax.typeof(x)) - set(axes))
 
 
 def _why_psum_only(axes: tuple, axis_index_groups) -> tuple[str, str] | None:

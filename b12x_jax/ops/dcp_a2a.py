@@ -13,7 +13,7 @@ from b12x_jax.communicator import get_communicator
 from b12x_jax.policy import PACK_BYTES
 from b12x_jax import kernels
 from b12x_jax.ops._common import (MAX_BLOCKS, axis_size, batch_size, call_site, channel_blocks, collective_primitive,
-                                  differentiate_by_fallback, register_batcher, why_not_a_mesh_axis,
+                                  differentiate_by_fallback, empty_result, register_batcher, why_not_a_mesh_axis,
                                   why_not_concrete)
 
 _OP = "dcp_a2a"
@@ -173,16 +173,13 @@ def _abstract_eval(out, lse, *, axis_name: str, channel: str, base2: bool, retur
 
 def _empty_merge(out, lse, axis_name: str, return_lse: bool) -> list:
   """The merge of an empty ``out`` (B or H of 0): empty results of the
-  merge's type with no collective (XLA:CPU segfaults compiling an empty
-  all_to_all, or an empty call of ours, beside another collective). Every
-  rank has the same shapes, so every rank skips the call alike."""
+  merge's type with no collective (empty_result: an empty all_to_all, or
+  an empty call of ours)."""
   batch, heads, dim = out.shape
   shard_heads = heads // jax.lax.axis_size(axis_name)
   lse_axes = _compat.varying_axes(jax.typeof(lse)) | {axis_name}  # as _abstract_eval gives them
-  out_axes = _compat.varying_axes(jax.typeof(out)) | lse_axes
-  results = [(jnp.zeros((batch, shard_heads, dim), out.dtype), out_axes),
-             (jnp.zeros((batch, shard_heads), lse.dtype), lse_axes)]
-  return [jax.lax.pcast(r, tuple(sorted(axes, key=str)), to="varying") for r, axes in results[:1 + return_lse]]
+  merged = empty_result((batch, shard_heads, dim), out.dtype, _compat.varying_axes(jax.typeof(out)) | lse_axes)
+  return [merged, empty_result((batch, shard_heads), lse.dtype, lse_axes)] if return_lse else [merged]
 
 
 def _merge(outs, lses, *, base2: bool, return_lse: bool) -> list:
