@@ -596,9 +596,11 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
     arrived = asm(_ADD, *own_signal, sig_off["row_arrivals"] + 4 * first, head.astype(U32), 65536 // split,
                   put | met_target)
     met_start = clock(arrived)
-    # Above the exchange's own bound: a sibling still waiting for a peer
-    # records that peer's timeout before this wait ends.
-    met_bound = jnp.minimum(bound, _MAX_WAIT_UNITS - table[_TIMEOUT]) + table[_TIMEOUT]
+    # Above every exchange bound a sibling may have, its first call's too
+    # (its block may not have served where this one has): a sibling still
+    # waiting for a peer records that peer's timeout before this wait ends.
+    longest = jnp.maximum(table[_FIRST_TIMEOUT], table[_TIMEOUT])
+    met_bound = jnp.minimum(longest, _MAX_WAIT_UNITS - table[_TIMEOUT]) + table[_TIMEOUT]
     met_spins = jnp.minimum(met_bound, _MAX_WAIT_UNITS // _SPINS_PER_UNIT) * _SPINS_PER_UNIT
     share_lane = lanes < split
 
@@ -633,7 +635,7 @@ def lamport_exchange(plan: Plan, table_ref, parts, warps: int, row_share: Callab
   if met_late is not None:
     timed_out = jnp.logical_or(timed_out, met_late)
     failed_peer = jnp.where(met_late, rank, failed_peer)
-    first_call = jnp.logical_and(first_call, jnp.logical_not(met_late))  # the meeting waited the call bound
+    first_call = jnp.logical_and(first_call, jnp.logical_not(met_late))  # not the first call's skew: a sibling stuck
   record = jnp.logical_or(stale, jnp.logical_or(timed_out, mismatch))
 
   def record_failure():
