@@ -128,7 +128,7 @@ def dcp_a2a(out, lse, axis_name: str, *, return_lse: bool = False, lse_base: str
   if size == 1 and not comm.loopback:  # loopback: a group of one runs the exchange too
     results = _merge(out[None], lse[None], base2=base2, return_lse=return_lse)
   elif symbolic is None and not_mesh is None and out.size == 0:
-    results = _empty_merge(out, lse, axis_name, return_lse)
+    results = _empty_merge(out, lse, axis_name, heads // size, return_lse)
   elif why_not is not None:
     comm.outside_window(_OP, name, *why_not, fallback=_FALLBACK)
     results = _all_to_all_path(out, lse, axis_name=axis_name, base2=base2, return_lse=return_lse)
@@ -171,12 +171,11 @@ def _abstract_eval(out, lse, *, axis_name: str, channel: str, base2: bool, retur
   return [merged, _compat.add_varying_axes(lse.update(shape=(batch, shard_heads)), axes)]
 
 
-def _empty_merge(out, lse, axis_name: str, return_lse: bool) -> list:
-  """The merge of an empty ``out`` (B or H of 0): empty results of the
-  merge's type with no collective (empty_result: an empty all_to_all, or
-  an empty call of ours)."""
-  batch, heads, dim = out.shape
-  shard_heads = heads // jax.lax.axis_size(axis_name)
+def _empty_merge(out, lse, axis_name: str, shard_heads: int, return_lse: bool) -> list:
+  """The merge of an empty ``out`` (B or H of 0) into ``shard_heads`` heads
+  a rank: empty results of the merge's type with no collective
+  (empty_result: an empty all_to_all, or an empty call of ours)."""
+  batch, _, dim = out.shape
   lse_axes = _compat.varying_axes(jax.typeof(lse)) | {axis_name}  # as _abstract_eval gives them
   merged = empty_result((batch, shard_heads, dim), out.dtype, _compat.varying_axes(jax.typeof(out)) | lse_axes)
   return [merged, empty_result((batch, shard_heads), lse.dtype, lse_axes)] if return_lse else [merged]
