@@ -38,6 +38,19 @@ __device__ void fill_failed(const DcpShape& s, int lo, int n, Pack* out, float* 
   }
 }
 
+// One merged pack from each source's pack `src[q]` and the row's weights
+// (merge_weights): sources in rank order (C9); one whose weight is 0 is
+// never read.
+template <DType D>
+__device__ __forceinline__ Pack merge_pack(const ChannelView& v, const Pack* src, const float* scale) {
+  float acc[Elements<D>::kCount] = {};
+#pragma unroll
+  for (int q = 0; q < kMaxRanks; ++q) {
+    if (q < v.world && scale[q] != 0.0f) accumulate_scaled<D>(acc, src[q], scale[q]);
+  }
+  return round_pack<D>(acc);
+}
+
 // Merges the block's result rows [lo, lo + n) from every source's cell
 // (`cells[q]`, laid out as `cell`, whose rows may be more than n: the
 // barrier protocol's cells hold per_block rows also in a last, shorter
@@ -87,12 +100,7 @@ __device__ void merge_block(const ChannelView& v, const DcpShape& s, int lo, int
           src[q] = from_own_input(v, q) ? in[own] : CudaMem::load_staged(payload[q] + staged_at);
         }
       }
-      float acc[Elements<D>::kCount] = {};
-#pragma unroll
-      for (int q = 0; q < kMaxRanks; ++q) {
-        if (q < v.world && scales[r][q] != 0.0f) accumulate_scaled<D>(acc, src[q], scales[r][q]);
-      }
-      out[static_cast<size_t>(lo + row) * row_packs + k] = round_pack<D>(acc);
+      out[static_cast<size_t>(lo + row) * row_packs + k] = merge_pack<D>(v, src, scales[r]);
     }
     __syncthreads();  // the next chunk overwrites scales
   }
@@ -146,9 +154,15 @@ __global__ void __launch_bounds__(kThreads)
 // The Lamport exchange (lamport.cuh; docs/DESIGN.md, "DCP in the Lamport
 // window"): each peer gets its own cell, the rows of its heads with their
 // lse, polled by the owner word by word; no barrier, no flag. The merge
-// reads the cells of the buffer the exchange returned, which stay as they
-// are until this block's next call.
-template <DType D>
+// needs every source's lse of a row before its payload, so it runs after the
+// exchange, which only waits. kInRegisters (a block's cell is at most
+// kThreads packs: thread t polls pack t of every source): each thread keeps
+// the packs it polled, the lse packs' threads share them, and this rank's
+// own rows and lse are loaded before the exchange, so the merge waits for
+// no load. Else it reads the cells of the buffer the exchange returned,
+// which stay as they are until this block's next call (merge_block). Both
+// merge the same bits in the same order.
+template <DType D, bool kInRegisters>
 __global__ void __launch_bounds__(kThreads)
     dcp_a2a_lamport_kernel(ChannelView v, DcpShape s, DcpPlan plan, CallTag tag, Placement placement,
                            const Pack* __restrict__ in, const float* __restrict__ in_lse, Pack* __restrict__ out,
@@ -156,6 +170,7 @@ __global__ void __launch_bounds__(kThreads)
   tag = placed_tag(tag, placement, v.rank);
   const int lo = blockIdx.x * plan.per_block;
   const int n = min(plan.per_block, s.rows() - lo);  // >= 1: the plan's grid covers the rows exactly
+  const DcpCell cell{n, s.row_packs};  // dcp_lamport_pack's layout
   const auto part = [&](int dest, size_t i) { return dcp_lamport_pack(s, in, in_lse, dest, lo, n, i); };
   // Each peer's pack is loaded where it is pushed (`load` loads nothing).
   const auto load = [](size_t) { return 0; };
@@ -164,19 +179,57 @@ __global__ void __launch_bounds__(kThreads)
       if (exchanges_with(v, p)) lamport_push_to<CudaMem>(v, c, p, i, part(p, i));
     }
   };
-  // The merge needs every source's lse of a row before its payload: it runs
-  // after the exchange, its own rows from the input; the exchange only waits.
   const auto no_own = [](size_t) { return Pack{}; };
-  const auto arrived = [](size_t, const Pack*) {};
-  const int buffer = lamport_exchange_with<kThreads>(v, tag, DcpCell{n, s.row_packs}.lamport_packs(), load, push,
-                                                     no_own, arrived);
-  if (buffer < 0) return fill_failed(s, lo, n, out, out_lse);
-  char* cells[kMaxRanks];
+  // kInRegisters: pack t of this thread's row (t below the payload's packs)
+  // and row t's lse (t below the rows), from this rank's input.
+  const int t = threadIdx.x;
+  const int payload_packs = n * s.row_packs;
+  Pack own{};
+  float own_lse = 0.0f;
+  if (kInRegisters && t < payload_packs) own = part(v.rank, t);
+  if (kInRegisters && t < n) own_lse = in_lse[s.input_row(v.rank, lo + t)];
+  Pack held[kMaxRanks];
+  const auto keep = [&](size_t, const Pack* staged) {
+    if constexpr (kInRegisters) {  // called once, for pack t
 #pragma unroll
-  for (int q = 0; q < kMaxRanks; ++q) {
-    cells[q] = q < v.world ? v.lamport[v.rank] + v.lamport_layout.cell_offset(buffer, q, blockIdx.x) : nullptr;
+      for (int q = 0; q < kMaxRanks; ++q) held[q] = from_own_input(v, q) ? own : staged[q];
+    }
+  };
+  const int buffer = lamport_exchange_with<kThreads>(v, tag, cell.lamport_packs(), load, push, no_own, keep);
+  if (buffer < 0) return fill_failed(s, lo, n, out, out_lse);
+  if constexpr (kInRegisters) {
+    // Each row's lse from every source, then, in place, its weights.
+    __shared__ float weights[kThreads][kMaxRanks];
+    if (t >= payload_packs && t < static_cast<int>(cell.lamport_packs())) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int row = (t - payload_packs) * 4 + k;
+#pragma unroll
+        for (int q = 0; q < kMaxRanks; ++q) {
+          if (row < n && q < v.world && !from_own_input(v, q)) weights[row][q] = bits_f32(held[q].words[k]);
+        }
+      }
+    }
+    __syncthreads();
+    if (t < n) {
+      float row_lse[kMaxRanks];
+#pragma unroll
+      for (int q = 0; q < kMaxRanks; ++q) {
+        if (q < v.world) row_lse[q] = from_own_input(v, q) ? own_lse : weights[t][q];
+      }
+      const float merged = merge_weights(row_lse, v.world, s.base2, weights[t]);
+      if (out_lse != nullptr) out_lse[lo + t] = merged;
+    }
+    __syncthreads();
+    if (t < payload_packs) out[static_cast<size_t>(lo) * s.row_packs + t] = merge_pack<D>(v, held, weights[t / s.row_packs]);
+  } else {
+    char* cells[kMaxRanks];
+#pragma unroll
+    for (int q = 0; q < kMaxRanks; ++q) {
+      cells[q] = q < v.world ? v.lamport[v.rank] + v.lamport_layout.cell_offset(buffer, q, blockIdx.x) : nullptr;
+    }
+    merge_block<D>(v, s, lo, n, cell, cells, in, in_lse, out, out_lse);
   }
-  merge_block<D>(v, s, lo, n, DcpCell{n, s.row_packs}, cells, in, in_lse, out, out_lse);  // dcp_lamport_pack's layout
 }
 
 int want_grid(const DcpShape& s) {
@@ -214,8 +267,12 @@ ffi::Error DcpA2aCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::Any
     if (out_lse != nullptr) cudaMemsetAsync(out_lse, 0xFF, static_cast<size_t>(s.rows()) * sizeof(float), stream);
   }
   const bool bf16 = x.element_type() == ffi::DataType::BF16;
-  const auto kernel = plan.lamport ? (bf16 ? dcp_a2a_lamport_kernel<DType::kBF16> : dcp_a2a_lamport_kernel<DType::kF16>)
-                                   : (bf16 ? dcp_a2a_kernel<DType::kBF16> : dcp_a2a_kernel<DType::kF16>);
+  // Every block's cell fits a pack a thread: the merge from registers.
+  const bool in_registers = DcpCell{plan.per_block, s.row_packs}.lamport_packs() <= kThreads;
+  const auto kernel =
+      !plan.lamport  ? (bf16 ? dcp_a2a_kernel<DType::kBF16> : dcp_a2a_kernel<DType::kF16>)
+      : in_registers ? (bf16 ? dcp_a2a_lamport_kernel<DType::kBF16, true> : dcp_a2a_lamport_kernel<DType::kF16, true>)
+                     : (bf16 ? dcp_a2a_lamport_kernel<DType::kBF16, false> : dcp_a2a_lamport_kernel<DType::kF16, false>);
   kernel<<<plan.grid, kThreads, 0, stream>>>(v, s, plan, plan.tag(s, bf16 ? DType::kBF16 : DType::kF16, site),
                                             placement_of(expected_device, Platform::kCuda, ordinal), in, in_lse, out,
                                             out_lse);

@@ -44,10 +44,22 @@ __device__ __forceinline__ float block_sum(float x) {
   return sum;
 }
 
+// Brings the line of `p` into L1 for a load issued later: the exchange's
+// polls are memory barriers to the compiler, so a load issued before them
+// would hold its registers across them (ptxas spills at 1024 threads).
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(__cvta_generic_to_global(p)));
+}
+
 // Block b owns rows [b * rows_per_block, ...): their packs are one
 // contiguous range, exchanged as one Lamport call of the block; then each
-// row is normalised.
-template <DType D>
+// row is normalised. kInRegisters (every block one row of at most kThreads
+// packs: thread k owns pack k): the residual and the weight are prefetched
+// before the exchange, and the norm reads the sum from registers, so after
+// the polls no load waits on memory. Else the row is read back from
+// residual_out. Both paths sum the squares over the same threads in the
+// same order: the same bits.
+template <DType D, bool kInRegisters>
 __global__ void __launch_bounds__(kThreads)
     residual_rmsnorm_kernel(ChannelView v, RowsShape s, RowsPlan plan, CallTag tag, Placement placement, float eps,
                             const Pack* __restrict__ in,
@@ -58,24 +70,39 @@ __global__ void __launch_bounds__(kThreads)
   const int rows = first < s.rows ? min(plan.rows_per_block, s.rows - first) : 0;
   const size_t lo = static_cast<size_t>(first) * s.row_packs;
   const size_t n = static_cast<size_t>(rows) * s.row_packs;
+  const bool mine = threadIdx.x < n;  // kInRegisters: this thread owns pack threadIdx.x of the row
+  Pack sum{};
+  if (kInRegisters && mine) {
+    prefetch_l1(residual + lo + threadIdx.x);
+    prefetch_l1(weight + threadIdx.x);
+  }
   const bool done = lamport_exchange<kThreads>(v, tag, in + lo, n, [&](size_t i, const Pack* staged) {
-    const Pack res = residual[lo + i];
-    residual_out[lo + i] = sum_in_rank_order<D>(staged, v.world, &res);
+    const Pack r = residual[lo + i];
+    const Pack total = sum_in_rank_order<D>(staged, v.world, &r);
+    residual_out[lo + i] = total;
+    if constexpr (kInRegisters) sum = total;  // i == threadIdx.x: this thread's one pass
   });
   if (!done) {
     fill_nan(normed + lo, n);
     fill_nan(residual_out + lo, n);
     return;
   }
-  // lamport_exchange met at a block barrier after its polls: every thread's
-  // residual_out stores are visible to the whole block.
-  for (int r = 0; r < rows; ++r) {
-    const Pack* row = residual_out + lo + static_cast<size_t>(r) * s.row_packs;
-    float squares = 0.0f;
-    for (int k = threadIdx.x; k < s.row_packs; k += kThreads) squares += sum_of_squares<D>(row[k]);
-    const float scale = rms_scale(block_sum(squares), s.hidden, eps);
-    Pack* out = normed + lo + static_cast<size_t>(r) * s.row_packs;
-    for (int k = threadIdx.x; k < s.row_packs; k += kThreads) out[k] = normalize_pack<D>(row[k], weight[k], scale);
+  if constexpr (kInRegisters) {
+    Pack w{};
+    if (mine) w = weight[threadIdx.x];
+    const float scale = rms_scale(block_sum(mine ? sum_of_squares<D>(sum) : 0.0f), s.hidden, eps);
+    if (mine) normed[lo + threadIdx.x] = normalize_pack<D>(sum, w, scale);
+  } else {
+    // lamport_exchange met at a block barrier after its polls: every
+    // thread's residual_out stores are visible to the whole block.
+    for (int r = 0; r < rows; ++r) {
+      const Pack* row = residual_out + lo + static_cast<size_t>(r) * s.row_packs;
+      float squares = 0.0f;
+      for (int k = threadIdx.x; k < s.row_packs; k += kThreads) squares += sum_of_squares<D>(row[k]);
+      const float scale = rms_scale(block_sum(squares), s.hidden, eps);
+      Pack* out = normed + lo + static_cast<size_t>(r) * s.row_packs;
+      for (int k = threadIdx.x; k < s.row_packs; k += kThreads) out[k] = normalize_pack<D>(row[k], weight[k], scale);
+    }
   }
 }
 
@@ -107,19 +134,20 @@ ffi::Error ResidualRmsnormCuda(cudaStream_t stream, int32_t ordinal, ffi::Token,
   const auto* res = static_cast<const Pack*>(residual.untyped_data());
   const auto* w = static_cast<const Pack*>(weight.untyped_data());
   const Placement placement = placement_of(expected_device, Platform::kCuda, ordinal);
-  const auto launch = [&](auto kernel, DType dtype) {
-    kernel<<<plan.grid, kThreads, 0, stream>>>(v, s, plan, plan.tag(s, dtype, site), placement, eps, in, res, w, out,
-                                               res_out);
+  const bool in_registers = plan.rows_per_block == 1 && s.row_packs <= kThreads;
+  const auto launch = [&](auto kernel, auto kernel_in_registers, DType dtype) {
+    (in_registers ? kernel_in_registers : kernel)<<<plan.grid, kThreads, 0, stream>>>(
+        v, s, plan, plan.tag(s, dtype, site), placement, eps, in, res, w, out, res_out);
   };
   switch (x.element_type()) {
     case ffi::DataType::F32:
-      launch(residual_rmsnorm_kernel<DType::kF32>, DType::kF32);
+      launch(residual_rmsnorm_kernel<DType::kF32, false>, residual_rmsnorm_kernel<DType::kF32, true>, DType::kF32);
       break;
     case ffi::DataType::BF16:
-      launch(residual_rmsnorm_kernel<DType::kBF16>, DType::kBF16);
+      launch(residual_rmsnorm_kernel<DType::kBF16, false>, residual_rmsnorm_kernel<DType::kBF16, true>, DType::kBF16);
       break;
     case ffi::DataType::F16:
-      launch(residual_rmsnorm_kernel<DType::kF16>, DType::kF16);
+      launch(residual_rmsnorm_kernel<DType::kF16, false>, residual_rmsnorm_kernel<DType::kF16, true>, DType::kF16);
       break;
     default:
       return ffi::Error::InvalidArgument(op + "dtype must be float32, bfloat16 or float16");
