@@ -221,7 +221,9 @@ __global__ void __launch_bounds__(kThreads)
       if (out_lse != nullptr) out_lse[lo + t] = merged;
     }
     __syncthreads();
-    if (t < payload_packs) out[static_cast<size_t>(lo) * s.row_packs + t] = merge_pack<D>(v, held, weights[t / s.row_packs]);
+    if (t < payload_packs) {
+      out[static_cast<size_t>(lo) * s.row_packs + t] = merge_pack<D>(v, held, weights[t / s.row_packs]);
+    }
   } else {
     char* cells[kMaxRanks];
 #pragma unroll
