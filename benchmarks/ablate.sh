@@ -18,7 +18,10 @@
 # b12x_jax/kernels, e.g. `git archive main b12x_jax/kernels | tar -x -C DIR`:
 # a build with each, timed beside this tree's in the same run. ABLATE_TRITON_ARGS: what else
 # the Triton builds time, default "--skip-fused --skip-dcp" ("--skip-dcp"
-# for an edit of the fused op's kernel): "" times the fused op and dcp_a2a.)
+# for an edit of the fused op's kernel): "" times the fused op and dcp_a2a.
+# ABLATE_FFI: the same for other trees' ffi/, e.g. `git archive main ffi | tar -x -C DIR`:
+# this tree as built and a build with each, timed by loopback_kernels.py --kernels ffi
+# with ABLATE_FFI_ARGS, default "" (every op); run it twice for pairs.)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${ABLATE_DIR:-/tmp/b12x_ablate}
@@ -56,6 +59,15 @@ if [ -n "${ABLATE_KERNELS:-}" ]; then
     VARIANTS+=("triton: the kernels of $folder|b12x_jax/kernels|@$KERNELS")
   done
 fi
+if [ -n "${ABLATE_FFI:-}" ]; then
+  VARIANTS+=("ffi: as built|ffi|")
+  IFS=: read -ra FOLDERS <<<"$ABLATE_FFI"
+  for folder in "${FOLDERS[@]}"; do
+    FFI=$(cd "$folder" && pwd)/ffi
+    [ -d "$FFI" ] || { echo "ABLATE_FFI: no ffi in $folder"; exit 1; }
+    VARIANTS+=("ffi: the kernels of $folder|ffi|@$FFI")
+  done
+fi
 # The tree's own build goes back however the loop ends (a scratch build is wrong by design).
 if [ "$CHECK" = 0 ]; then trap '$PY -m pip install -q --no-build-isolation --no-deps -e "$ROOT" >/dev/null 2>&1' EXIT; fi
 for variant in "${VARIANTS[@]}"; do
@@ -76,7 +88,7 @@ for variant in "${VARIANTS[@]}"; do
       case "$f" in
         *.py) $PY -m py_compile "$WORK/$f" || { echo "== $name: $f does not compile"; exit 1; } ;;
         b12x_jax/*) for g in "$WORK/$f"/*.py; do $PY -m py_compile "$g" || { echo "== $name: $g does not compile"; exit 1; }; done ;;
-        ffi/*)
+        ffi | ffi/*)
           if command -v nvcc >/dev/null; then
             nvcc -std=c++17 -arch=sm_90 -ptx -I "$WORK/ffi" -isystem "$($PY -c 'import jax.ffi; print(jax.ffi.include_dir())')" \
               "$WORK/ffi/cuda/all_reduce.cu" -o "$WORK/check.ptx" >"$WORK/check.log" 2>&1 \
@@ -89,7 +101,11 @@ for variant in "${VARIANTS[@]}"; do
   fi
   echo "== $name"
   $PY -m pip install -q --no-build-isolation --no-deps -e "$WORK" >"$WORK/build.log" 2>&1 || { tail -20 "$WORK/build.log"; exit 1; }
-  if [[ "$file" == ffi/* ]]; then
+  if [ "$file" = ffi ]; then  # another tree's FFI kernels: every op through loopback
+    # ABLATE_FFI_ARGS unquoted: its words are arguments
+    timer=(loopback_kernels.py --kernels ffi ${ABLATE_FFI_ARGS-} --iters 15)
+    rows="^ *(dtype|float32|bfloat16|rows x hidden|B x H x D|[0-9]+ x [0-9]+) "
+  elif [[ "$file" == ffi/* ]]; then
     timer=(breakdown.py --kinds ffi --sizes "$SIZES" --iters 15) rows="^ +[0-9]+ (KiB|MiB)"
   else  # the Triton kernel (edits of b12x_jax/), each size beside its floor, checked first
     skip="--skip-fused --skip-dcp"

@@ -85,6 +85,28 @@ def test_the_ablation_times_another_trees_kernels_only_where_they_differ(tmp_pat
   assert broken.returncode != 0 and "exchange.py does not compile" in broken.stdout, broken.stdout + broken.stderr
 
 
+def test_the_ablation_times_another_trees_ffi_kernels_beside_this_trees_build(tmp_path):
+  """benchmarks/ablate.sh with ABLATE_FFI times this tree as built, then a
+  build with each of other trees' ffi/ (every op through loopback); a folder
+  that holds this tree's own ffi/ would time it twice under two names."""
+  script = os.path.join(ROOT, "benchmarks", "ablate.sh")
+  others = [tmp_path / "one", tmp_path / "two"]
+  for other in others:
+    shutil.copytree(os.path.join(ROOT, "ffi"), other / "ffi")
+  env = {**os.environ, "PYTHON": sys.executable, "ABLATE_DIR": str(tmp_path / "ablate"),
+         "ABLATE_FFI": ":".join(map(str, others)), "ABLATE_ONLY": "^ffi: "}
+  with open(others[0] / "ffi" / "cuda" / "dcp_a2a.cu", "a") as f:
+    f.write("\n// another tree\n")
+  same = subprocess.run(["bash", script, "--check"], capture_output=True, text=True, timeout=300, env=env)
+  assert same.returncode != 0 and f"the kernels of {others[1]}: the same ffi" in same.stdout, same.stdout + same.stderr
+  with open(others[1] / "ffi" / "cuda" / "residual_rmsnorm.cu", "a") as f:
+    f.write("\n// a third tree\n")
+  proc = subprocess.run(["bash", script, "--check"], capture_output=True, text=True, timeout=300, env=env)
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+  assert re.findall(r"^== (.*): applies$", proc.stdout, flags=re.M) == ["ffi: as built"] + [
+      f"ffi: the kernels of {other}" for other in others], proc.stdout
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc here: the CUDA kernels are not built")
 def test_the_cuda_lamport_kernels_keep_their_packs_in_registers(tmp_path):
   """ptxas's report of every CUDA kernel of the Lamport exchange (sm_90, as
