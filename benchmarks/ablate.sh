@@ -51,23 +51,19 @@ VARIANTS=(
   "triton: the fused op's 4096-word rows in one program of 8 warps (no meeting)|$R|s/^SPLIT_ROW_WORDS = 4096$/SPLIT_ROW_WORDS = 8192/; s/warps = warps_for(W, wide_warps(W \* plan.world))/warps = warps_for(W, 8 if W >= 4096 else wide_warps(W * plan.world))/"
   "triton: the fused op with twice the warps at 8 rows or more|$R|s/warps = warps_for(W, wide_warps(W \* plan.world))/warps = warps_for(W, (2 if words.size \/\/ W >= 8 * split else 1) * wide_warps(W * plan.world))/"
 )
-if [ -n "${ABLATE_KERNELS:-}" ]; then
-  IFS=: read -ra FOLDERS <<<"$ABLATE_KERNELS"
+# Other trees' folders (in the variable named $1, separated by ":") that each hold $2: a build
+# with each in place of this tree's, named "$3: the kernels of FOLDER".
+add_trees() {
+  local folder path
+  IFS=: read -ra FOLDERS <<<"${!1}"
   for folder in "${FOLDERS[@]}"; do
-    KERNELS=$(cd "$folder" && pwd)/b12x_jax/kernels
-    [ -d "$KERNELS" ] || { echo "ABLATE_KERNELS: no b12x_jax/kernels in $folder"; exit 1; }
-    VARIANTS+=("triton: the kernels of $folder|b12x_jax/kernels|@$KERNELS")
+    path=$(cd "$folder" && pwd)/$2
+    [ -d "$path" ] || { echo "$1: no $2 in $folder"; exit 1; }
+    VARIANTS+=("$3: the kernels of $folder|$2|@$path")
   done
-fi
-if [ -n "${ABLATE_FFI:-}" ]; then
-  VARIANTS+=("ffi: as built|ffi|")
-  IFS=: read -ra FOLDERS <<<"$ABLATE_FFI"
-  for folder in "${FOLDERS[@]}"; do
-    FFI=$(cd "$folder" && pwd)/ffi
-    [ -d "$FFI" ] || { echo "ABLATE_FFI: no ffi in $folder"; exit 1; }
-    VARIANTS+=("ffi: the kernels of $folder|ffi|@$FFI")
-  done
-fi
+}
+if [ -n "${ABLATE_KERNELS:-}" ]; then add_trees ABLATE_KERNELS b12x_jax/kernels triton; fi
+if [ -n "${ABLATE_FFI:-}" ]; then VARIANTS+=("ffi: as built|ffi|"); add_trees ABLATE_FFI ffi ffi; fi
 # The tree's own build goes back however the loop ends (a scratch build is wrong by design).
 if [ "$CHECK" = 0 ]; then trap '$PY -m pip install -q --no-build-isolation --no-deps -e "$ROOT" >/dev/null 2>&1' EXIT; fi
 for variant in "${VARIANTS[@]}"; do
@@ -89,10 +85,22 @@ for variant in "${VARIANTS[@]}"; do
         *.py) $PY -m py_compile "$WORK/$f" || { echo "== $name: $f does not compile"; exit 1; } ;;
         b12x_jax/*) for g in "$WORK/$f"/*.py; do $PY -m py_compile "$g" || { echo "== $name: $g does not compile"; exit 1; }; done ;;
         ffi | ffi/*)
+          # An edit: the all_reduce kernel. Another tree's ffi/: each kernel loopback_kernels.py
+          # times whose source differs, every one where another file does.
+          kernels=(all_reduce)
+          if [ "$f" = ffi ]; then
+            kernels=()
+            for k in all_reduce residual_rmsnorm dcp_a2a; do
+              cmp -s "$ROOT/ffi/cuda/$k.cu" "$WORK/ffi/cuda/$k.cu" || kernels+=("$k")
+            done
+            diff -rq -x '*.cu' "$ROOT/ffi" "$WORK/ffi" >/dev/null || kernels=(all_reduce residual_rmsnorm dcp_a2a)
+          fi
           if command -v nvcc >/dev/null; then
-            nvcc -std=c++17 -arch=sm_90 -ptx -I "$WORK/ffi" -isystem "$($PY -c 'import jax.ffi; print(jax.ffi.include_dir())')" \
-              "$WORK/ffi/cuda/all_reduce.cu" -o "$WORK/check.ptx" >"$WORK/check.log" 2>&1 \
-              || { tail -20 "$WORK/check.log"; echo "== $name: does not compile"; exit 1; }
+            for k in "${kernels[@]}"; do
+              nvcc -std=c++17 -arch=sm_90 -ptx -I "$WORK/ffi" -isystem "$($PY -c 'import jax.ffi; print(jax.ffi.include_dir())')" \
+                "$WORK/ffi/cuda/$k.cu" -o "$WORK/check.ptx" >"$WORK/check.log" 2>&1 \
+                || { tail -20 "$WORK/check.log"; echo "== $name: $k.cu does not compile"; exit 1; }
+            done
           fi ;;
       esac
     done

@@ -105,6 +105,12 @@ def test_the_ablation_times_another_trees_ffi_kernels_beside_this_trees_build(tm
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
   assert re.findall(r"^== (.*): applies$", proc.stdout, flags=re.M) == ["ffi: as built"] + [
       f"ffi: the kernels of {other}" for other in others], proc.stdout
+  if shutil.which("nvcc") is not None:  # a kernel whose source differs is compiled
+    with open(others[1] / "ffi" / "cuda" / "residual_rmsnorm.cu", "a") as f:
+      f.write("\nnot C++\n")
+    broken = subprocess.run(["bash", script, "--check"], capture_output=True, text=True, timeout=300, env=env)
+    assert broken.returncode != 0 and "residual_rmsnorm.cu does not compile" in broken.stdout, \
+        broken.stdout + broken.stderr
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc here: the CUDA kernels are not built")
