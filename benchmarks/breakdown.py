@@ -1,8 +1,10 @@
 """Where a loopback call's microseconds go, on one GPU (docs/DESIGN.md,
 "Loopback"): the FFI and the Triton all_reduce and their two floors
 (loopback_kernels.py: the protocol-free exchange of the same bytes, an FFI
-call of one empty kernel), each one executable of `--ops` chained calls,
-float32. Per op: the wall time (median of `--iters`, per_op_us) and, from
+call of one empty kernel), float32, and the FFI and Triton dcp_a2a and
+fused op of the same bytes (bfloat16: dcp_a2a as B x 16 x 128, the fused op
+as rows of 2048 or 8192), each one executable of `--ops` chained calls.
+Per op: the wall time (median of `--iters`, per_op_us) and, from
 Nsight Compute, each kernel's own duration on the GPU; wall minus kernel is
 what XLA's CUDA graph spends between kernels.
 
@@ -11,7 +13,7 @@ each executable once (`--profile`, 8 ops each), written as CSV and read
 back with `--kernels`:
 
   ncu --clock-control none --graph-profiling node --metrics gpu__time_duration.sum \
-      -k regex:'lamport|empty_kernel|floor_exchange' --csv python benchmarks/breakdown.py --profile > k.csv
+      -k regex:'lamport|rmsnorm|empty_kernel|floor_exchange' --csv python benchmarks/breakdown.py --profile > k.csv
   python benchmarks/breakdown.py --kernels k.csv [--backends]
 
 `--backends` adds the launch floor of a trivial kernel on each Pallas GPU
@@ -30,13 +32,14 @@ import sys
 import jax
 import numpy as np
 from _common import per_op_us, size_label
-from loopback_kernels import chained, empty_ffi_call, exchange_floor, put, random
+from loopback_kernels import chained, chained_dcp, chained_fused, empty_ffi_call, exchange_floor, put, random
 
 import b12x_jax
 
 # The kernel each executable launches, as ncu names it.
 KERNELS = {"ffi": "lamport_all_reduce", "triton": "b12x_all_reduce_lamport", "floor": "floor_exchange",
-           "empty ffi": "empty_kernel"}
+           "empty ffi": "empty_kernel", "ffi dcp": "dcp_a2a_lamport_kernel", "triton dcp": "b12x_dcp_a2a_lamport",
+           "ffi fused": "residual_rmsnorm_kernel", "triton fused": "b12x_residual_rmsnorm_lamport"}
 
 
 def kernel_us(path: str) -> dict[str, list[float]]:
@@ -54,11 +57,22 @@ def kernel_us(path: str) -> dict[str, list[float]]:
 
 
 def executables(mesh, size: int, ops: int, rng):
-  """(kind, jitted fn, argument) for the four executables at ``size``."""
+  """(kind, jitted fn, arguments) for each executable at ``size``."""
   x = put(mesh, random(rng, size, "float32"))
   words = jax.numpy.asarray(rng.standard_normal(size // 4).astype(np.float32).view(np.int32))
-  return [("ffi", chained(mesh, ops), x), ("triton", chained(mesh, ops), x),
-          ("floor", exchange_floor(size // 4, ops), words), ("empty ffi", empty_ffi_call(ops), words)]
+  batch = max(1, size // 4096)
+  out = put(mesh, random(rng, size, "bfloat16").reshape(batch, -1, 128))
+  lse = put(mesh, rng.standard_normal(out.shape[:2]).astype(np.float32))
+  rows = max(1, size // 16384)
+  hidden = size // 2 // rows
+  normed = put(mesh, random(rng, size, "bfloat16").reshape(rows, hidden))
+  residual = jax.numpy.asarray(random(rng, size, "bfloat16").reshape(rows, hidden))
+  weight = jax.numpy.asarray((1 + 0.1 * rng.standard_normal(hidden)).astype(jax.numpy.bfloat16))
+  return [("ffi", chained(mesh, ops), (x,)), ("triton", chained(mesh, ops), (x,)),
+          ("floor", exchange_floor(size // 4, ops), (words,)), ("empty ffi", empty_ffi_call(ops), (words,)),
+          ("ffi dcp", chained_dcp(mesh, ops), (out, lse)), ("triton dcp", chained_dcp(mesh, ops), (out, lse)),
+          ("ffi fused", chained_fused(mesh, ops, True), (normed, residual, weight)),
+          ("triton fused", chained_fused(mesh, ops, True), (normed, residual, weight))]
 
 
 def backend_floors(ops: int, iters: int) -> dict[str, str]:
@@ -143,21 +157,22 @@ def main() -> None:
   runs = kernel_us(args.kernels) if args.kernels else {}
   mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
   rng = np.random.default_rng(0)
-  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, loopback, float32, {ops} chained ops")
-  print(f"{'size':>8} {'kind':>10} {'wall us':>8} {'kernel us':>10} {'between':>8}")
+  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, loopback, {ops} chained ops "
+        f"(all_reduce float32; dcp_a2a and the fused op bfloat16)")
+  print(f"{'size':>8} {'kind':>12} {'wall us':>8} {'kernel us':>10} {'between':>8}")
   for index, size in enumerate(sizes):
-    for kind, fn, x in executables(mesh, size, ops, rng):
+    for kind, fn, operands in executables(mesh, size, ops, rng):
       if kind not in args.kinds.split(","):
         continue
-      comm = b12x_jax.Communicator(loopback=True, kernels="triton" if kind == "triton" else "ffi")
+      comm = b12x_jax.Communicator(loopback=True, kernels="triton" if kind.startswith("triton") else "ffi")
       b12x_jax.get_communicator().close()
       b12x_jax.set_communicator(comm)
       with b12x_jax.channel(f"breakdown-{kind.replace(' ', '-')}"):
         if args.profile:
           for _ in range(2):  # a warm run, then the profiled one
-            jax.block_until_ready(fn(x))
+            jax.block_until_ready(fn(*operands))
         else:
-          wall = per_op_us(lambda: fn(x), ops, args.iters)
+          wall = per_op_us(lambda: fn(*operands), ops, args.iters)
       comm.check_errors()
       comm.close()
       if args.profile:
@@ -169,7 +184,7 @@ def main() -> None:
                  f"{args.sizes}: profile with the same --sizes and --kinds")
       mine = launches[16 * index + 8:16 * index + 16]
       kernel = float(np.median(mine)) if mine else float("nan")
-      print(f"{size_label(size):>8} {kind:>10} {wall:8.2f} {kernel:10.2f} {wall - kernel:8.2f}")
+      print(f"{size_label(size):>8} {kind:>12} {wall:8.2f} {kernel:10.2f} {wall - kernel:8.2f}")
   if args.backends and not args.profile:
     print(f"\na trivial kernel (x + 1, 1024 float32), {ops} chained, us per op")
     for backend, result in backend_floors(ops, args.iters).items():

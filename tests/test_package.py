@@ -116,7 +116,7 @@ def test_the_ablation_times_another_trees_ffi_kernels_beside_this_trees_build(tm
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc here: the CUDA kernels are not built")
 def test_the_cuda_lamport_kernels_keep_their_packs_in_registers(tmp_path):
   """ptxas's report of every CUDA kernel of the Lamport exchange (sm_90, as
-  built): no spills, and the all_reduce and fused kernels use no stack. A
+  built): no spills and no stack. A
   source's pack loaded through a reference into the staging array kept
   the array in local memory, a round trip through L1 in every call
   (docs/DESIGN.md, "Lamport")."""
@@ -133,8 +133,7 @@ def test_the_cuda_lamport_kernels_keep_their_packs_in_registers(tmp_path):
         frames[name] = (int(stack), int(spills))
   assert len(frames) >= 8, frames  # the Lamport all_reduce, fused and dcp kernels of each dtype
   assert all(spills == 0 for _, spills in frames.values()), frames
-  # dcp_a2a's Lamport kernel keeps 32 bytes of stack outside the staging array (not looked into): no more.
-  assert all(stack <= (32 if "dcp" in name else 0) for name, (stack, _) in frames.items()), frames
+  assert all(stack == 0 for stack, _ in frames.values()), frames
 
 
 @pytest.mark.parametrize("example", ["dcp_decode.py", "speculative_decoding.py"])

@@ -157,9 +157,10 @@ __global__ void __launch_bounds__(kThreads)
 // needs every source's lse of a row before its payload, so it runs after the
 // exchange, which only waits. kInRegisters (a block's cell is at most
 // kThreads packs: thread t polls pack t of every source): each thread keeps
-// the packs it polled, the lse packs' threads share them, and this rank's
-// own rows and lse are loaded before the exchange, so the merge waits for
-// no load. Else it reads the cells of the buffer the exchange returned,
+// the packs it polled, the lse packs' threads share theirs through shared
+// memory before the exchange's last barrier, and this rank's own rows and
+// lse are loaded before the exchange, so the merge waits for no load and
+// no other barrier. Else it reads the cells of the buffer the exchange returned,
 // which stay as they are until this block's next call (merge_block). Both
 // merge the same bits in the same order.
 template <DType D, bool kInRegisters>
@@ -180,49 +181,52 @@ __global__ void __launch_bounds__(kThreads)
     }
   };
   const auto no_own = [](size_t) { return Pack{}; };
-  // kInRegisters: pack t of this thread's row (t below the payload's packs)
-  // and row t's lse (t below the rows), from this rank's input.
+  // kInRegisters: thread t's pack of this rank's input and the lse of its
+  // row (t below the payload's packs), loaded before the exchange.
   const int t = threadIdx.x;
   const int payload_packs = n * s.row_packs;
+  const int row = t / s.row_packs;
   Pack own{};
   float own_lse = 0.0f;
-  if (kInRegisters && t < payload_packs) own = part(v.rank, t);
-  if (kInRegisters && t < n) own_lse = in_lse[s.input_row(v.rank, lo + t)];
+  if (kInRegisters && t < payload_packs) {
+    own = part(v.rank, t);
+    own_lse = in_lse[s.input_row(v.rank, lo + row)];
+  }
+  // Each row's lse from every peer, stored by the lse packs' threads as they
+  // arrive: the exchange's last barrier makes them visible to the block.
+  __shared__ float peer_lse[kInRegisters ? kThreads : 1][kMaxRanks];
   Pack held[kMaxRanks];
   const auto keep = [&](size_t, const Pack* staged) {
     if constexpr (kInRegisters) {  // called once, for pack t
 #pragma unroll
       for (int q = 0; q < kMaxRanks; ++q) held[q] = from_own_input(v, q) ? own : staged[q];
+      if (t >= payload_packs) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int lse_row = (t - payload_packs) * 4 + k;
+#pragma unroll
+          for (int q = 0; q < kMaxRanks; ++q) {
+            if (lse_row < n && q < v.world && !from_own_input(v, q)) peer_lse[lse_row][q] = bits_f32(staged[q].words[k]);
+          }
+        }
+      }
     }
   };
   const int buffer = lamport_exchange_with<kThreads>(v, tag, cell.lamport_packs(), load, push, no_own, keep);
   if (buffer < 0) return fill_failed(s, lo, n, out, out_lse);
   if constexpr (kInRegisters) {
-    // Each row's lse from every source, then, in place, its weights.
-    __shared__ float weights[kThreads][kMaxRanks];
-    if (t >= payload_packs && t < static_cast<int>(cell.lamport_packs())) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int row = (t - payload_packs) * 4 + k;
-#pragma unroll
-        for (int q = 0; q < kMaxRanks; ++q) {
-          if (row < n && q < v.world && !from_own_input(v, q)) weights[row][q] = bits_f32(held[q].words[k]);
-        }
-      }
-    }
-    __syncthreads();
-    if (t < n) {
+    // Every thread of a row turns the row's lse into the same weights (one
+    // computation, the same bits): no barrier beyond the exchange's.
+    if (t < payload_packs) {
       float row_lse[kMaxRanks];
+      float scale[kMaxRanks];
 #pragma unroll
       for (int q = 0; q < kMaxRanks; ++q) {
-        if (q < v.world) row_lse[q] = from_own_input(v, q) ? own_lse : weights[t][q];
+        if (q < v.world) row_lse[q] = from_own_input(v, q) ? own_lse : peer_lse[row][q];
       }
-      const float merged = merge_weights(row_lse, v.world, s.base2, weights[t]);
-      if (out_lse != nullptr) out_lse[lo + t] = merged;
-    }
-    __syncthreads();
-    if (t < payload_packs) {
-      out[static_cast<size_t>(lo) * s.row_packs + t] = merge_pack<D>(v, held, weights[t / s.row_packs]);
+      const float merged = merge_weights(row_lse, v.world, s.base2, scale);
+      if (out_lse != nullptr && t == row * s.row_packs) out_lse[lo + row] = merged;
+      out[static_cast<size_t>(lo) * s.row_packs + t] = merge_pack<D>(v, held, scale);
     }
   } else {
     char* cells[kMaxRanks];
