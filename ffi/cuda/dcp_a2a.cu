@@ -160,9 +160,9 @@ __global__ void __launch_bounds__(kThreads)
 // the packs it polled, the lse packs' threads share theirs through shared
 // memory before the exchange's last barrier, and this rank's own rows and
 // lse are loaded before the exchange, so the merge waits for no load and
-// no other barrier. Else it reads the cells of the buffer the exchange returned,
-// which stay as they are until this block's next call (merge_block). Both
-// merge the same bits in the same order.
+// no other barrier. Else it reads the cells of the buffer the exchange
+// returned, which stay as they are until this block's next call
+// (merge_block). Both merge the same bits in the same order.
 template <DType D, bool kInRegisters>
 __global__ void __launch_bounds__(kThreads)
     dcp_a2a_lamport_kernel(ChannelView v, DcpShape s, DcpPlan plan, CallTag tag, Placement placement,
@@ -206,7 +206,9 @@ __global__ void __launch_bounds__(kThreads)
           const int lse_row = (t - payload_packs) * 4 + k;
 #pragma unroll
           for (int q = 0; q < kMaxRanks; ++q) {
-            if (lse_row < n && q < v.world && !from_own_input(v, q)) peer_lse[lse_row][q] = bits_f32(staged[q].words[k]);
+            if (lse_row < n && q < v.world && !from_own_input(v, q)) {
+              peer_lse[lse_row][q] = bits_f32(staged[q].words[k]);
+            }
           }
         }
       }
