@@ -2,7 +2,8 @@
 # What each step of the Lamport kernels costs (docs/DESIGN.md, "Lamport",
 # "Triton kernels"): scratch builds of a copy of the tree, each with one
 # step taken out (or a variant put in), timed through loopback: an edit of
-# ffi/cuda/ by breakdown.py (the FFI all_reduce), an edit of b12x_jax/ by
+# ffi/cuda/ by breakdown.py (the FFI all_reduce; dcp_a2a for an edit of its
+# kernel, the "dcp:" builds), an edit of b12x_jax/ by
 # loopback_kernels.py (the Triton all_reduce, and the fused op where the
 # edit is of its kernel, each size in turn with its floor, results checked
 # first). A scratch build with a step taken out is
@@ -11,7 +12,7 @@
 # end. On one GPU:
 #   bash benchmarks/ablate.sh [sizes of the FFI builds, default 4096,65536; the Triton ones take every size]
 # or, without a GPU: bash benchmarks/ablate.sh --check (every edit
-# applies; the all_reduce kernels of each FFI build compile where nvcc is
+# applies; the edited kernel of each FFI build compiles where nvcc is
 # here, each edited Python file compiles)
 # (ABLATE_ONLY: an extended regular expression; only the builds it matches.
 # ABLATE_KERNELS: folders (separated by ":") that each hold another tree's
@@ -21,7 +22,11 @@
 # for an edit of the fused op's kernel): "" times the fused op and dcp_a2a.
 # ABLATE_FFI: the same for other trees' ffi/, e.g. `git archive main ffi | tar -x -C DIR`:
 # this tree as built and a build with each, timed by loopback_kernels.py --kernels ffi
-# with ABLATE_FFI_ARGS, default "" (every op); run it twice for pairs.)
+# with ABLATE_FFI_ARGS, default "" (every op); run it twice for pairs.
+# ABLATE_NCU=1: the FFI builds timed by breakdown.py with each kernel's duration from
+# Nsight Compute beside the wall time (another tree's ffi/: all_reduce, dcp_a2a and the
+# fused op); the durations vary less than the wall times between runs. The "dcp:" builds
+# time dcp_a2a.)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${ABLATE_DIR:-/tmp/b12x_ablate}
@@ -32,6 +37,7 @@ SIZES=${1:-4096,65536}
 L=ffi/cuda/lamport.cuh
 X=b12x_jax/kernels/exchange.py
 R=b12x_jax/kernels/residual_rmsnorm.py
+D=ffi/cuda/dcp_a2a.cu
 # name | file | sed expression (each must change its file)
 VARIANTS=(
   "as built|$L|"
@@ -43,6 +49,13 @@ VARIANTS=(
   "the exchange alone (store, poll, reset; no start words, barrier, tag, bound, refill, advance)|ffi/cuda/all_reduce.cu|/const Slice s = block_slice(blockIdx.x, plan.per_block, plan.packs);/a\\  if (true) { for (size_t i = threadIdx.x; i < s.n; i += kThreads) { Pack* cell = reinterpret_cast<Pack*>(v.lamport[v.rank] + v.lamport_layout.cell_offset(0, 0, blockIdx.x)) + i; CudaMem::store_pack(cell, in[s.lo + i]); Pack y; do { y = CudaMem::load_volatile(cell); } while (!lamport_arrived(y)); out[s.lo + i] = y; CudaMem::store_pack(cell, lamport_empty_pack()); } return; }"
   "128 threads a block, not 512|ffi/cuda/all_reduce.cu|s/constexpr int kThreads = 512;/constexpr int kThreads = 128;/"
   "256 threads a block, not 512|ffi/cuda/all_reduce.cu|s/constexpr int kThreads = 512;/constexpr int kThreads = 256;/"
+  "dcp: as built|$D|"
+  "dcp: no merge after the exchange (nor the loads only it reads; no output)|$D|s/  if (buffer < 0) return fill_failed(s, lo, n, out, out_lse);/&\n  if (kInRegisters) return;/"
+  "dcp: the merge without its math (every weight 1)|$D|s/      const float merged = merge_weights(row_lse, v.world, s.base2, scale);/      const float merged = row_lse[0]; for (int q = 0; q < kMaxRanks; ++q) scale[q] = 1.0f;/"
+  "dcp: the merge without its store (a store no input takes)|$D|s/      out\[static_cast<size_t>(lo) \* s.row_packs + t\] = merge_pack<D>(v, held, scale);/      { const Pack m = merge_pack<D>(v, held, scale); if (m.words[0] == 0x12345u \&\& m.words[1] == 0x5u) out[static_cast<size_t>(lo) * s.row_packs + t] = m; }/"
+  "dcp: no lse shared (every peer's lse taken as this rank's own)|$D|s/        if (q < v.world) row_lse\[q\] = from_own_input(v, q) ? own_lse : peer_lse\[row\]\[q\];/        if (q < v.world) row_lse[q] = own_lse;/"
+  "dcp: no input loads in the pushes (zero packs pushed)|$D|s/lamport_push_to<CudaMem>(v, c, p, i, part(p, i));/lamport_push_to<CudaMem>(v, c, p, i, Pack{});/"
+  "dcp: no own rows loaded before the exchange|$D|s/  if (kInRegisters \&\& t < payload_packs) {/  if (false) {/"
   "triton: as built|$X|"
   "triton: no failure record (its branch gone)|$X|s/recorded = jax.lax.cond(record, record_failure, lambda: \\(.*\\))$/recorded = \\1/"
   "triton: the record without its branch (every step predicated on the call recording)|$X|s/recorded = jax.lax.cond(record, record_failure, lambda: .*)$/recorded = record_failure()/"
@@ -85,9 +98,10 @@ for variant in "${VARIANTS[@]}"; do
         *.py) $PY -m py_compile "$WORK/$f" || { echo "== $name: $f does not compile"; exit 1; } ;;
         b12x_jax/*) for g in "$WORK/$f"/*.py; do $PY -m py_compile "$g" || { echo "== $name: $g does not compile"; exit 1; }; done ;;
         ffi | ffi/*)
-          # An edit: the all_reduce kernel. Another tree's ffi/: each kernel loopback_kernels.py
-          # times whose source differs, every one where another file does.
+          # An edit: its kernel (the all_reduce one for a header). Another tree's ffi/: each kernel
+          # loopback_kernels.py times whose source differs, every one where another file does.
           kernels=(all_reduce)
+          if [[ "$f" == ffi/cuda/*.cu ]]; then kernels=("$(basename "$f" .cu)"); fi
           if [ "$f" = ffi ]; then
             kernels=()
             for k in all_reduce residual_rmsnorm dcp_a2a; do
@@ -109,12 +123,20 @@ for variant in "${VARIANTS[@]}"; do
   fi
   echo "== $name"
   $PY -m pip install -q --no-build-isolation --no-deps -e "$WORK" >"$WORK/build.log" 2>&1 || { tail -20 "$WORK/build.log"; exit 1; }
-  if [ "$file" = ffi ]; then  # another tree's FFI kernels: every op through loopback
+  kinds=ffi
+  if [ "$file" = ffi ]; then kinds="ffi,ffi dcp,ffi fused"; elif [ "$file" = "$D" ]; then kinds="ffi dcp"; fi
+  if [ "$file" = ffi ] && [ -z "${ABLATE_NCU:-}" ]; then  # another tree's FFI kernels: every op through loopback
     # ABLATE_FFI_ARGS unquoted: its words are arguments
     timer=(loopback_kernels.py --kernels ffi ${ABLATE_FFI_ARGS-} --iters 15)
     rows="^ *(dtype|float32|bfloat16|rows x hidden|B x H x D|[0-9]+ x [0-9]+) "
-  elif [[ "$file" == ffi/* ]]; then
-    timer=(breakdown.py --kinds ffi --sizes "$SIZES" --iters 15) rows="^ +[0-9]+ (KiB|MiB)"
+  elif [[ "$file" == ffi* ]]; then
+    timer=(breakdown.py --kinds "$kinds" --sizes "$SIZES" --iters 15) rows="^ +[0-9]+ (KiB|MiB)"
+    if [ -n "${ABLATE_NCU:-}" ]; then  # each kernel's duration beside its wall time, steadier than the wall
+      (cd "$WORK/benchmarks" && ncu --clock-control none --graph-profiling node --metrics gpu__time_duration.sum \
+        -k regex:'lamport|rmsnorm' --csv $PY breakdown.py --profile --kinds "$kinds" --sizes "$SIZES" \
+        >"$WORK/kernels.csv" 2>"$WORK/ncu.log") || { tail -20 "$WORK/ncu.log"; echo "== $name: ncu failed"; exit 1; }
+      timer+=(--kernels "$WORK/kernels.csv")
+    fi
   else  # the Triton kernel (edits of b12x_jax/), each size beside its floor, checked first
     skip="--skip-fused --skip-dcp"
     if [ "$file" = "$R" ]; then skip="--skip-dcp"; fi
