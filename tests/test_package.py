@@ -85,6 +85,39 @@ def test_the_ablation_times_another_trees_kernels_only_where_they_differ(tmp_pat
   assert broken.returncode != 0 and "exchange.py does not compile" in broken.stdout, broken.stdout + broken.stderr
 
 
+def test_the_breakdown_counts_each_kernel_of_ncus_csv_for_its_own_kind(tmp_path, monkeypatch):
+  """benchmarks/breakdown.py --kernels reads ncu's CSV by kernel name (as
+  Nsight Compute prints them): each launch counts for its own kind, in
+  launch order and in us; other kernels and metrics count for none."""
+  monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+  import breakdown
+  names = {
+      "ffi": "void b12x::<unnamed>::lamport_all_reduce<0>(b12x::ChannelView, b12x::Plan, b12x::CallTag)",
+      "triton": "b12x_all_reduce_lamport_breakdown_triton",
+      "floor": "floor_exchange",
+      "empty ffi": "b12x::<unnamed>::empty_kernel()",
+      "ffi dcp": "void b12x::<unnamed>::dcp_a2a_lamport_kernel<1, 1>(b12x::ChannelView, b12x::DcpShape)",
+      "triton dcp": "b12x_dcp_a2a_lamport_breakdown_triton_dcp",
+      "ffi fused": "void b12x::<unnamed>::residual_rmsnorm_kernel<1, 1>(b12x::ChannelView, b12x::RowsShape)",
+      "triton fused": "b12x_residual_rmsnorm_lamport_breakdown_triton_fused",
+  }
+  assert set(names) == set(breakdown.KERNELS)
+  header = ["ID", "Kernel Name", "Metric Name", "Metric Unit", "Metric Value"]
+  lines = ["==PROF== Connected to process 1 (python3)", ",".join(f'"{h}"' for h in header)]
+  want = {}
+  for launch in range(2):
+    for i, (kind, name) in enumerate([*names.items(), ("other", "loop_convert_fusion")]):
+      ns = 1000 * (i + 1) + 10 * launch
+      unit, value = ("usecond", f"{ns / 1000}") if launch else ("nsecond", f"{ns:,}")
+      lines.append(",".join(f'"{v}"' for v in (len(lines), name, "gpu__time_duration.sum", unit, value)))
+      lines.append(",".join(f'"{v}"' for v in (len(lines), name, "sm__cycles_elapsed.avg", "cycle", "99")))
+      if kind != "other":
+        want.setdefault(kind, []).append(ns / 1000)
+  (tmp_path / "k.csv").write_text("\n".join(lines) + "\n")
+  runs = breakdown.kernel_us(str(tmp_path / "k.csv"))
+  assert {kind: [round(us, 6) for us in durations] for kind, durations in runs.items()} == want
+
+
 def test_the_ablation_times_another_trees_ffi_kernels_beside_this_trees_build(tmp_path):
   """benchmarks/ablate.sh with ABLATE_FFI times this tree as built, then a
   build with each of other trees' ffi/ (every op through loopback); a folder
