@@ -30,8 +30,8 @@ inline std::string dcp_call_shape(const xla::ffi::AnyBuffer& out, const xla::ffi
     return op + "H=" + std::to_string(dims[1]) + " is not a multiple of the " + std::to_string(v.world) + " ranks";
   }
   const size_t row_bytes = dims[2] * ffi::ByteWidth(out.element_type());
-  if (row_bytes == 0 || row_bytes % kPackBytes != 0) {  // a kernel's threads index rows by row_packs
-    return op + "a row of out is " + std::to_string(row_bytes) + " bytes, not a positive multiple of 16";
+  if (row_bytes % kPackBytes != 0) {
+    return op + "a row of out is " + std::to_string(row_bytes) + " bytes, not a multiple of 16";
   }
   if (!dcp_tag_carries(dims[1], row_bytes / kPackBytes)) {
     return op + "out [B, H, D] has H=" + std::to_string(dims[1]) + " or rows of " + std::to_string(row_bytes) +

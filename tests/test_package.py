@@ -146,6 +146,52 @@ def test_the_ablation_times_another_trees_ffi_kernels_beside_this_trees_build(tm
         broken.stdout + broken.stderr
 
 
+def test_the_ablation_times_ffi_builds_under_ncu_where_asked(tmp_path):
+  """benchmarks/ablate.sh with ABLATE_NCU=1 profiles each FFI build with
+  Nsight Compute and hands its CSV to breakdown.py (a "dcp:" build: dcp_a2a;
+  another tree's ffi/: every FFI op); without it, no ncu. Run with stand-in
+  ncu and python that write their arguments, one a line (no GPU here)."""
+  stubs = tmp_path / "bin"
+  stubs.mkdir()
+  log = tmp_path / "calls.log"
+  (stubs / "ncu").write_text(f'#!/bin/bash\nprintf "%s\\n" ncu "$@" -- >> {log}\n')
+  (stubs / "py").write_text(f'#!/bin/bash\nprintf "%s\\n" py "$@" -- >> {log}\n'
+                            '[ "$1" = -m ] || printf "%s\\n" "   4 KiB      ffi dcp     7.00       6.00     1.00" '
+                            '"   1 x 8 x 128     7.56"\n')
+  for stub in stubs.iterdir():
+    stub.chmod(0o755)
+  other = tmp_path / "other"
+  shutil.copytree(os.path.join(ROOT, "ffi"), other / "ffi")
+  with open(other / "ffi" / "cuda" / "dcp_a2a.cu", "a") as f:
+    f.write("\n// another tree\n")
+  env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "PYTHON": str(stubs / "py"),
+         "ABLATE_DIR": str(tmp_path / "ablate"), "ABLATE_FFI": str(other),
+         "ABLATE_ONLY": "^(dcp: as built|ffi: the kernels)"}
+
+  def calls(ncu: bool) -> list[list[str]]:
+    log.unlink(missing_ok=True)
+    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "ablate.sh"), "4096"], capture_output=True,
+                          text=True, timeout=120, env={**env, "ABLATE_NCU": "1" if ncu else ""})
+    # each build's rows of its timer's table: breakdown.py's by size, loopback_kernels.py's by shape
+    rows = ["4 KiB"] * 2 if ncu else ["4 KiB", "1 x 8 x 128"]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.findall(r"^ +(4 KiB|1 x 8 x 128) ", proc.stdout, flags=re.M) == rows, proc.stdout
+    words = log.read_text().split("\n--\n")
+    return [w.split("\n") for w in words if w.strip() and "pip" not in w]
+
+  profile = ["--clock-control", "none", "--graph-profiling", "node", "--metrics", "gpu__time_duration.sum", "-k",
+             "regex:lamport|rmsnorm", "--csv", str(stubs / "py"), "breakdown.py", "--profile"]
+  csv = str(tmp_path / "ablate" / "kernels.csv")
+  timed = ["--sizes", "4096", "--iters", "15", "--kernels", csv]
+  assert calls(ncu=True) == [
+      ["ncu", *profile, "--kinds", "ffi dcp", "--sizes", "4096"],
+      ["py", "breakdown.py", "--kinds", "ffi dcp", *timed],
+      ["ncu", *profile, "--kinds", "ffi,ffi dcp,ffi fused", "--sizes", "4096"],
+      ["py", "breakdown.py", "--kinds", "ffi,ffi dcp,ffi fused", *timed]]
+  assert calls(ncu=False) == [["py", "breakdown.py", "--kinds", "ffi dcp", "--sizes", "4096", "--iters", "15"],
+                              ["py", "loopback_kernels.py", "--kernels", "ffi", "--iters", "15"]]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc here: the CUDA kernels are not built")
 def test_the_cuda_lamport_kernels_keep_their_packs_in_registers(tmp_path):
   """ptxas's report of every CUDA kernel of the Lamport exchange (sm_90, as
