@@ -8,6 +8,7 @@ import contextlib
 import os
 import re
 import threading
+import time
 
 import jax
 
@@ -257,6 +258,35 @@ def open_peer(pending, rank: int, exported: bytes) -> None:
     pending.open(rank, exported)
   except (RuntimeError, ValueError) as e:
     raise TransportError(f"b12x_jax: opening rank {rank}'s memory failed: {e}") from None
+
+
+def await_even_refusals(op: str, platform: str, channel: str, partition: str, ordinals: list[int],
+                        timeout_s: float) -> None:
+  """Waits until this process's devices of a group about to be prepared
+  have had as many calls of ``channel`` over ``partition`` refused as not
+  prepared as each other (ffi/registry.h refused_calls): a call refused on
+  one device first may still be on its way to the others, and a prepared
+  channel would serve it there, beside their next call (docs/DESIGN.md,
+  "Lifetime"). Polls every millisecond; after ``timeout_s`` raises
+  CollectiveTimeoutError naming the devices behind, and forgets the counts
+  so that the next preparation goes ahead."""
+  deadline = time.monotonic() + timeout_s
+  while True:
+    refused = dict(zip(ordinals, _b12x.refused_calls(platform, channel, partition, ordinals)))
+    refused.pop(-1, None)  # remote ranks: their process counts them
+    behind = sorted(o for o, n in refused.items() if n < max(refused.values()))
+    if not behind:
+      return
+    if time.monotonic() > deadline:
+      _b12x.forget_refusals(platform, channel, partition, ordinals)
+      raise CollectiveTimeoutError(
+          f"b12x_jax.{op}: channel {channel!r}: a call refused as not prepared on some of its devices had not "
+          f"reached devices {behind} after {timeout_s:g} s (refused calls: "
+          f"{', '.join(f'device {o}: {n}' for o, n in sorted(refused.items()))}); preparing now would let it run "
+          f"there beside the next call. Block on every shard of the channel's earlier results (each array's "
+          f"addressable_shards, the failed ones too) before preparing; the counts are forgotten, so preparing "
+          f"again goes ahead")
+    time.sleep(0.001)
 
 
 def release(platform: str, channel: str, groups: list[tuple[str, tuple[int, ...]]]) -> None:

@@ -51,10 +51,11 @@ def settle() -> None:
   DESIGN.md, "Call order"), so JAX keeps no record of them: their results
   do, and a result that raised its error already is skipped."""
   for array in jax.live_arrays():
-    try:
-      array.block_until_ready()
-    except Exception:  # noqa: BLE001 - a failed call's error is raised where its results are read
-      pass
+    for shard in array.addressable_shards:  # each: a failed shard's error leaves its peers' running
+      try:
+        shard.data.block_until_ready()
+      except Exception:  # noqa: BLE001 - a failed call's error is raised where its results are read
+        pass
 
 
 def _is_number(value) -> bool:
@@ -269,7 +270,7 @@ class Communicator(CallPolicy):
     groups = [tuple(row) for row in devices.reshape(-1, devices.shape[-1])]
     for name in names:
       for group in groups:
-        self._prepare_group(name, partition_key(groups), group)
+        self._prepare_group("Communicator.prepare", name, partition_key(groups), group)
 
   def ensure_prepared(self, op: str, channel: str, groups: Sequence[Sequence],
                       fallback: str = "psum") -> Decision | None:
@@ -302,7 +303,7 @@ class Communicator(CallPolicy):
               f"mode is on; call b12x_jax.get_communicator().prepare(mesh, axis_name, "
               f"channels=[{channel!r}]) before tracing")
         try:
-          self._prepare_group(channel, partition, group)
+          self._prepare_group(op, channel, partition, group)
         except TransportError as e:  # remembered: the group is not probed again
           broken = self._broken[(platform, devices)] = str(e)
       if broken is not None:
@@ -318,9 +319,10 @@ class Communicator(CallPolicy):
     with self._lock:
       return (partition, ordinals) in self._groups.get((platform, channel), ())
 
-  def _prepare_group(self, channel: str, partition: str, group: Sequence) -> None:
+  def _prepare_group(self, op: str, channel: str, partition: str, group: Sequence) -> None:
     """Prepares ``channel`` for ``group``, one group of ``partition`` (every
-    group of one mesh axis: partition_key), DESIGN C18."""
+    group of one mesh axis: partition_key), DESIGN C18, for ``op`` (named
+    in its errors)."""
     platform = _compat.platform_of(group)
     ordinals = _ordinals(group)
     if all(o < 0 for o in ordinals):
@@ -343,6 +345,7 @@ class Communicator(CallPolicy):
       # Processes reach a channel's first call apart (compilation, weight
       # loading); the devices of one process start an executable together.
       options = self.native_options(first_call_s=self.setup_timeout_s if len(processes) > 1 else self.timeout_s)
+      _native.await_even_refusals(op, platform, channel, partition, list(ordinals), self.timeout_s)
       if len(processes) == 1:
         _native.prepare(platform, channel, partition, list(ordinals), options)
       else:

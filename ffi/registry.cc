@@ -56,7 +56,9 @@ std::string Registry::conflict_locked(Platform platform, std::string_view channe
 std::string Registry::add(std::unique_ptr<ChannelGroup> group) {
   std::unique_lock lock(mutex_);
   std::string conflict = conflict_locked(group->platform(), group->channel(), group->partition(), group->ordinals());
+  if (conflict.empty()) conflict = uneven_refusals(group->platform(), group->channel(), group->partition(), group->ordinals());
   if (!conflict.empty()) return conflict;
+  forget_refusals(group->platform(), group->channel(), group->partition(), group->ordinals());
   group->write_generation(next_generation());
   groups_.push_back(std::move(group));
   return {};
@@ -73,7 +75,51 @@ RankLease Registry::lease(Platform platform, std::string_view channel, std::stri
   RankLease lease;
   lease.lock = std::shared_lock(mutex_);
   static_cast<RankHandle&>(lease) = find_locked(platform, channel, partition, ordinal);
+  if (!lease) {  // under the shared lock: a preparation sees it before it puts a group into use
+    std::lock_guard refusals(refusals_mutex_);
+    ++refusals_[{platform, std::string(channel), std::string(partition)}][ordinal];
+  }
   return lease;
+}
+
+std::vector<uint64_t> Registry::refused_calls(Platform platform, std::string_view channel,
+                                              std::string_view partition, const std::vector<int>& ordinals) const {
+  std::lock_guard lock(refusals_mutex_);
+  std::vector<uint64_t> refused(ordinals.size(), 0);
+  const auto found = refusals_.find({platform, std::string(channel), std::string(partition)});
+  if (found == refusals_.end()) return refused;
+  for (size_t r = 0; r < ordinals.size(); ++r) {
+    const auto device = found->second.find(ordinals[r]);
+    if (ordinals[r] != kRemoteRank && device != found->second.end()) refused[r] = device->second;
+  }
+  return refused;
+}
+
+void Registry::forget_refusals(Platform platform, std::string_view channel, std::string_view partition,
+                               const std::vector<int>& ordinals) const {
+  std::lock_guard lock(refusals_mutex_);
+  const auto found = refusals_.find({platform, std::string(channel), std::string(partition)});
+  if (found == refusals_.end()) return;
+  for (int ordinal : ordinals) found->second.erase(ordinal);
+  if (found->second.empty()) refusals_.erase(found);
+}
+
+std::string Registry::uneven_refusals(Platform platform, std::string_view channel, std::string_view partition,
+                                      const std::vector<int>& ordinals) const {
+  const std::vector<uint64_t> refused = refused_calls(platform, channel, partition, ordinals);
+  const uint64_t most = *std::max_element(refused.begin(), refused.end());
+  std::string counts;
+  bool even = true;
+  for (size_t r = 0; r < ordinals.size(); ++r) {
+    if (ordinals[r] == kRemoteRank) continue;
+    even = even && refused[r] == most;
+    counts += (counts.empty() ? "" : ", ") + ("device " + std::to_string(ordinals[r])) + ": " +
+              std::to_string(refused[r]);
+  }
+  if (even) return {};
+  return "channel '" + std::string(channel) + "': a call refused as not prepared on some of its devices reached "
+         "the others only while it was being prepared (refused calls: " + counts + "). Block on every shard of "
+         "its results, then prepare again";
 }
 
 RankHandle Registry::find_locked(Platform platform, std::string_view channel, std::string_view partition,
@@ -112,7 +158,10 @@ bool Registry::revive(Platform platform, std::string_view preparation, std::stri
     // Not over a live group of its devices (another Communicator's): add
     // then says so.
     if (!conflict_locked(platform, channel, group.partition(), group.ordinals()).empty()) return false;
+    // Uneven refusals: add then says so.
+    if (!uneven_refusals(platform, channel, group.partition(), group.ordinals()).empty()) return false;
     if (!group.wait_idle() || !group.reset()) return false;
+    forget_refusals(platform, channel, group.partition(), group.ordinals());
     group.set_channel(std::string(channel));
     group.write_generation(next_generation());
     groups_.push_back(std::move(*it));

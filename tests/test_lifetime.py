@@ -11,10 +11,13 @@ under compute-sanitizer.
 from __future__ import annotations
 
 import os
+import gc
 import subprocess
 import sys
+import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import WORKERS
@@ -45,6 +48,73 @@ def check_compiled_across_release_and_prepare(mesh, elems: int) -> None:
         with pytest.raises(Exception, match="channel 'reused' is not prepared on device"):
           np.asarray(compiled(put_sharded(mesh, shards)))
         comm.prepare(mesh, "x", channels=["reused"])
+
+
+def _late_on_rank_1(mesh, seconds: float):
+  """A compiled all_reduce of 256 floats per rank whose execution reaches
+  its call about ``seconds`` later on rank 1 than on rank 0: rank 1 first
+  spins through steps that add exactly 0 to its input, as many as take that
+  long here (timed by one call, on the prepared channel of the scope). (A host callback would be simpler, but JAX keeps a runtime
+  token of every execution with one, and the failed ones' tokens raise in
+  later tests' effects_barrier.) Returns run(shards)."""
+  def body(v, spins):
+    steps = jax.lax.axis_index("x") * spins[0]
+    spun = jax.lax.fori_loop(0, steps, lambda i, a: jnp.sin(a) + 1.0, jnp.zeros((), v.dtype))
+    return b12x_jax.all_reduce(v + jnp.where(spun > 1e9, 1.0, 0.0).astype(v.dtype), "x")  # spun <= 2
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+  zeros = np.zeros((2, 256), np.float32)
+  compiled = fn.lower(put_sharded(mesh, zeros), np.zeros(1, np.int32)).compile()
+  started, spins = time.monotonic(), 10**6
+  np.asarray(compiled(put_sharded(mesh, zeros), np.array([spins], np.int32)))
+  spins = np.array([min(spins * seconds / (time.monotonic() - started), 2**31 - 1)], np.int32)
+  return lambda shards: compiled(put_sharded(mesh, shards), spins)
+
+
+def _raise_unprepared_and_drop(run, shards) -> str:
+  """Runs on an unprepared channel: rank 0 raises at once. The results are
+  dropped unread on rank 1, so no Python object waits for it."""
+  try:
+    np.asarray(run(shards))
+  except Exception as e:  # noqa: BLE001 - the message is what the caller checks
+    return str(e)
+  return "no error"
+
+
+def test_a_preparation_waits_for_a_refused_calls_execution_still_on_its_way_to_a_device(cpu_mesh):
+  # Rank 0's call raised "not prepared" while rank 1's execution of it was still about 0.5 s short
+  # of its call, its results dropped. Prepared at once, the channel let that execution meet rank
+  # 0's next call (a sum of one new and one old shard) or hold a thread until it timed out (seen
+  # on 2 CPU cores). The preparation now waits until rank 1 refused it too.
+  mesh = cpu_mesh(2)
+  rng = np.random.default_rng(15)
+  with fresh_communicator(poison_outputs=True) as comm, b12x_jax.channel("late-refusal"):
+    run = _late_on_rank_1(mesh, 0.5)
+    for cycle in range(2):
+      comm.release("late-refusal")
+      assert "is not prepared on device 0" in _raise_unprepared_and_drop(run, random_shards(rng, 2, 256, np.float32))
+      gc.collect()
+      comm.prepare(mesh, "x", channels=["late-refusal"])
+      for _ in range(3):
+        shards = random_shards(rng, 2, 256, np.float32)
+        assert_sum_matches(np.asarray(run(shards)).reshape(2, -1), shards, "float32")
+
+
+def test_a_preparation_names_the_devices_a_refused_calls_execution_has_not_reached_within_the_timeout(cpu_mesh):
+  mesh = cpu_mesh(2)
+  rng = np.random.default_rng(16)
+  with fresh_communicator(timeout_s=0.3) as comm, b12x_jax.channel("later-refusal"):
+    run = _late_on_rank_1(mesh, 2.0)
+    comm.release("later-refusal")
+    _raise_unprepared_and_drop(run, random_shards(rng, 2, 256, np.float32))
+    gc.collect()
+    started = time.monotonic()
+    with pytest.raises(b12x_jax.CollectiveTimeoutError,
+                       match=r"b12x_jax.Communicator.prepare: channel 'later-refusal': a call refused as not "
+                             r"prepared on some of its devices had not reached devices \[1\] after 0.3 s \(refused "
+                             r"calls: device 0: 1, device 1: 0\).*Block on every shard"):
+      comm.prepare(mesh, "x", channels=["later-refusal"])
+    assert time.monotonic() - started < 1.5
+    time.sleep(3)  # rank 1's execution reaches its call, refused: nothing of it outlives the test
 
 
 def test_a_failed_execution_leaves_later_calls_right_and_reports_nothing_more(cpu_mesh):
