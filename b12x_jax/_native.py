@@ -262,30 +262,31 @@ def open_peer(pending, rank: int, exported: bytes) -> None:
 
 def await_even_refusals(op: str, platform: str, channel: str, partition: str, ordinals: list[int],
                         timeout_s: float) -> None:
-  """Waits until this process's devices of a group about to be prepared
-  have had as many calls of ``channel`` over ``partition`` refused as not
-  prepared as each other (ffi/registry.h refused_calls): a call refused on
-  one device first may still be on its way to the others, and a prepared
-  channel would serve it there, beside their next call (docs/DESIGN.md,
-  "Lifetime"). Polls every millisecond; after ``timeout_s`` raises
-  CollectiveTimeoutError naming the devices behind, and forgets the counts
-  so that the next preparation goes ahead."""
+  """Waits until this process's host devices of a group about to be
+  prepared have had as many calls of ``channel`` over ``partition``
+  refused as not prepared as each other (ffi/registry.h refusals): a call
+  refused on one device first may still be on its way to the others, and a
+  prepared channel would serve it there, beside their next call
+  (docs/DESIGN.md, "Lifetime"). Polls every millisecond; after
+  ``timeout_s`` raises CollectiveTimeoutError naming the devices behind and
+  forgives them their present counts, so that the next preparation goes
+  ahead whether the call reaches them later or never (its execution may
+  have failed before it)."""
   deadline = time.monotonic() + timeout_s
   while True:
-    refused = dict(zip(ordinals, _b12x.refused_calls(platform, channel, partition, ordinals)))
-    refused.pop(-1, None)  # remote ranks: their process counts them
-    behind = sorted(o for o, n in refused.items() if n < max(refused.values()))
-    if not behind:
+    even, calls = _b12x.refusals(platform, channel, partition, ordinals)
+    if even:
       return
     if time.monotonic() > deadline:
-      _b12x.forget_refusals(platform, channel, partition, ordinals)
+      _b12x.forgive_refusals(platform, channel, partition, ordinals)
+      refused = {o: n for o, n in zip(ordinals, calls) if o >= 0}  # remote ranks: their process counts them
+      behind = sorted(o for o, n in refused.items() if n < max(refused.values()))
       raise CollectiveTimeoutError(
           f"b12x_jax.{op}: channel {channel!r}: a call refused as not prepared on some of its devices had not "
           f"reached devices {behind} after {timeout_s:g} s (refused calls: "
           f"{', '.join(f'device {o}: {n}' for o, n in sorted(refused.items()))}); preparing now would let it run "
           f"there beside the next call. Block on every shard of the channel's earlier results (each array's "
-          f"addressable_shards, the failed ones too) before preparing; the counts are forgotten, so preparing "
-          f"again goes ahead")
+          f"addressable_shards, the failed ones too), then prepare again: it goes ahead")
     time.sleep(0.001)
 
 

@@ -51,11 +51,14 @@ def settle() -> None:
   DESIGN.md, "Call order"), so JAX keeps no record of them: their results
   do, and a result that raised its error already is skipped."""
   for array in jax.live_arrays():
-    for shard in array.addressable_shards:  # each: a failed shard's error leaves its peers' running
-      try:
-        shard.data.block_until_ready()
-      except Exception:  # noqa: BLE001 - a failed call's error is raised where its results are read
-        pass
+    try:
+      array.block_until_ready()
+    except Exception:  # noqa: BLE001 - a failed call's error is raised where its results are read
+      # It stopped at the first failed shard: the others may still be on their way.
+      with contextlib.suppress(Exception):  # deleted meanwhile
+        for shard in array.addressable_shards:
+          with contextlib.suppress(Exception):
+            shard.data.block_until_ready()
 
 
 def _is_number(value) -> bool:

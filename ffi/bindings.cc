@@ -349,17 +349,17 @@ NB_MODULE(_b12x, m) {
   m.def("retire", [](const std::string& platform, const std::string& preparation) {
     Registry::get().retire(parse_platform(platform), preparation);
   }, nb::arg("platform"), nb::arg("preparation"), "Takes a revived group out of use again (a failed preparation).");
-  m.def("refused_calls", [](const std::string& platform, const std::string& channel, const std::string& partition,
-                            const std::vector<int>& ordinals) {
-    return Registry::get().refused_calls(parse_platform(platform), channel, partition, ordinals);
+  m.def("refusals", [](const std::string& platform, const std::string& channel, const std::string& partition,
+                       const std::vector<int>& ordinals) {
+    return Registry::get().refusals(parse_platform(platform), channel, partition, ordinals);
   }, nb::arg("platform"), nb::arg("channel"), nb::arg("partition"), nb::arg("ordinals"),
-     "Calls of the channel over the partition refused as not prepared on each device since it was last prepared "
-     "there (ffi/registry.h).");
-  m.def("forget_refusals", [](const std::string& platform, const std::string& channel, const std::string& partition,
-                              const std::vector<int>& ordinals) {
-    Registry::get().forget_refusals(parse_platform(platform), channel, partition, ordinals);
+     "(even, calls): host calls of the channel over the partition refused as not prepared on each device since "
+     "it was last prepared there, and whether a group of them may go into use (ffi/registry.h).");
+  m.def("forgive_refusals", [](const std::string& platform, const std::string& channel, const std::string& partition,
+                               const std::vector<int>& ordinals) {
+    Registry::get().forgive_refusals(parse_platform(platform), channel, partition, ordinals);
   }, nb::arg("platform"), nb::arg("channel"), nb::arg("partition"), nb::arg("ordinals"),
-     "Forgets the devices' refused calls (after a preparation reported them uneven).");
+     "Counts the devices' refusals as even at their present counts (after a preparation reported them uneven).");
   m.def("unlink_export", [](const std::string& platform, nb::bytes exported) {
     if (parse_platform(platform) == Platform::kHost) unlink_shm_export(std::string(exported.c_str(), exported.size()));
   }, nb::arg("platform"), nb::arg("exported"),

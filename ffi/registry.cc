@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <mutex>
+#include <set>
 #include <unordered_map>
 #include <stdexcept>
 
@@ -75,51 +76,67 @@ RankLease Registry::lease(Platform platform, std::string_view channel, std::stri
   RankLease lease;
   lease.lock = std::shared_lock(mutex_);
   static_cast<RankHandle&>(lease) = find_locked(platform, channel, partition, ordinal);
-  if (!lease) {  // under the shared lock: a preparation sees it before it puts a group into use
+  if (!lease && platform == Platform::kHost) {  // under the shared lock: add and revive see it
     std::lock_guard refusals(refusals_mutex_);
-    ++refusals_[{platform, std::string(channel), std::string(partition)}][ordinal];
+    ++refused_[{platform, std::string(channel), std::string(partition)}][ordinal].calls;
   }
   return lease;
 }
 
-std::vector<uint64_t> Registry::refused_calls(Platform platform, std::string_view channel,
-                                              std::string_view partition, const std::vector<int>& ordinals) const {
+std::pair<bool, std::vector<uint64_t>> Registry::refusals(Platform platform, std::string_view channel,
+                                                          std::string_view partition,
+                                                          const std::vector<int>& ordinals) const {
   std::lock_guard lock(refusals_mutex_);
-  std::vector<uint64_t> refused(ordinals.size(), 0);
-  const auto found = refusals_.find({platform, std::string(channel), std::string(partition)});
-  if (found == refusals_.end()) return refused;
+  std::vector<uint64_t> calls(ordinals.size(), 0);
+  const auto found = refused_.find({platform, std::string(channel), std::string(partition)});
+  if (found == refused_.end()) return {true, calls};
+  std::set<uint64_t> counts, forgiven;
   for (size_t r = 0; r < ordinals.size(); ++r) {
+    if (ordinals[r] == kRemoteRank) continue;
     const auto device = found->second.find(ordinals[r]);
-    if (ordinals[r] != kRemoteRank && device != found->second.end()) refused[r] = device->second;
+    const Refused refused = device == found->second.end() ? Refused{} : device->second;
+    calls[r] = refused.calls;
+    counts.insert(refused.calls);
+    forgiven.insert(refused.calls + refused.forgiven);
   }
-  return refused;
+  return {counts.size() <= 1 || forgiven.size() <= 1, calls};
+}
+
+void Registry::forgive_refusals(Platform platform, std::string_view channel, std::string_view partition,
+                                const std::vector<int>& ordinals) const {
+  std::lock_guard lock(refusals_mutex_);
+  auto& devices = refused_[{platform, std::string(channel), std::string(partition)}];
+  uint64_t most = 0;
+  for (int ordinal : ordinals) {
+    if (ordinal != kRemoteRank) most = std::max(most, devices[ordinal].calls);
+  }
+  for (int ordinal : ordinals) {
+    if (ordinal != kRemoteRank) devices[ordinal].forgiven = most - devices[ordinal].calls;
+  }
 }
 
 void Registry::forget_refusals(Platform platform, std::string_view channel, std::string_view partition,
                                const std::vector<int>& ordinals) const {
   std::lock_guard lock(refusals_mutex_);
-  const auto found = refusals_.find({platform, std::string(channel), std::string(partition)});
-  if (found == refusals_.end()) return;
+  const auto found = refused_.find({platform, std::string(channel), std::string(partition)});
+  if (found == refused_.end()) return;
   for (int ordinal : ordinals) found->second.erase(ordinal);
-  if (found->second.empty()) refusals_.erase(found);
+  if (found->second.empty()) refused_.erase(found);
 }
 
 std::string Registry::uneven_refusals(Platform platform, std::string_view channel, std::string_view partition,
                                       const std::vector<int>& ordinals) const {
-  const std::vector<uint64_t> refused = refused_calls(platform, channel, partition, ordinals);
-  const uint64_t most = *std::max_element(refused.begin(), refused.end());
+  const auto [even, calls] = refusals(platform, channel, partition, ordinals);
+  if (even) return {};
   std::string counts;
-  bool even = true;
   for (size_t r = 0; r < ordinals.size(); ++r) {
     if (ordinals[r] == kRemoteRank) continue;
-    even = even && refused[r] == most;
     counts += (counts.empty() ? "" : ", ") + ("device " + std::to_string(ordinals[r])) + ": " +
-              std::to_string(refused[r]);
+              std::to_string(calls[r]);
   }
-  if (even) return {};
-  return "channel '" + std::string(channel) + "': a call refused as not prepared on some of its devices reached "
-         "the others only while it was being prepared (refused calls: " + counts + "). Block on every shard of "
-         "its results, then prepare again";
+  return "channel '" + std::string(channel) + "': a call refused as not prepared on some of its devices had "
+         "not reached the others when it was about to go into use (refused calls: " + counts + "). Block on "
+         "every shard of its results, then prepare again";
 }
 
 RankHandle Registry::find_locked(Platform platform, std::string_view channel, std::string_view partition,

@@ -202,23 +202,25 @@ class Registry {
   // The rank of device `ordinal` in the group of `channel` over `partition`
   // (empty: the first group of the channel with that device).
   RankHandle find(Platform platform, std::string_view channel, std::string_view partition, int ordinal) const;
-  // find, for a handler: see RankLease. A call that finds no group is
-  // counted as refused on its device (refused_calls).
+  // find, for a handler: see RankLease. A host call that finds no group is
+  // counted as refused on its device (refusals).
   RankLease lease(Platform platform, std::string_view channel, std::string_view partition, int ordinal) const;
-  // How many calls of `channel` over `partition` were refused as not
+  // How many host calls of `channel` over `partition` were refused as not
   // prepared on each of `ordinals` since a group of them last went into use
-  // (0 for a remote rank). Every device of a group runs every execution, so
-  // counts that differ mean that an execution refused on some devices is
-  // still on its way to the others: a group put into use before it gets
-  // there would serve it, beside its peers' next call (docs/DESIGN.md,
-  // "Lifetime"). add and revive put a group into use only where they are
-  // even, and forget them.
-  std::vector<uint64_t> refused_calls(Platform platform, std::string_view channel, std::string_view partition,
-                                      const std::vector<int>& ordinals) const;
-  // Forgets the refusals of `ordinals` (after a preparation reported them
-  // uneven for longer than its timeout).
-  void forget_refusals(Platform platform, std::string_view channel, std::string_view partition,
-                       const std::vector<int>& ordinals) const;
+  // (0 for a remote rank), and whether they are even. XLA:CPU runs every
+  // execution on every device of a group, so counts that differ mean that
+  // an execution refused on some devices is still on its way to the others:
+  // a group put into use before it gets there would serve it, beside its
+  // peers' next call (docs/DESIGN.md, "Lifetime"). add and revive put a
+  // host group into use only where they are even, and forget them. Even
+  // also where they are as uneven as forgive_refusals found them.
+  std::pair<bool, std::vector<uint64_t>> refusals(Platform platform, std::string_view channel,
+                                                  std::string_view partition, const std::vector<int>& ordinals) const;
+  // Counts the devices behind as even at their present counts (a
+  // preparation reported them uneven for longer than its timeout): the
+  // execution they wait for may have failed before its call on them.
+  void forgive_refusals(Platform platform, std::string_view channel, std::string_view partition,
+                        const std::vector<int>& ordinals) const;
   // Takes the groups of `channel` on `platform` over `groups` (partition,
   // ordinals: a Communicator's own; another may hold the channel on other
   // devices) out of use (handlers no longer find them) and waits until no
@@ -248,16 +250,23 @@ class Registry {
   std::string conflict_locked(Platform platform, std::string_view channel, std::string_view partition,
                               const std::vector<int>& ordinals) const;
 
-  // Why a group on `ordinals` cannot go into use yet (refused_calls uneven),
-  // or empty.
+  // Why a host group on `ordinals` cannot go into use yet (refusals not
+  // even), or empty; forget_refusals once it goes.
   std::string uneven_refusals(Platform platform, std::string_view channel, std::string_view partition,
                               const std::vector<int>& ordinals) const;
+  void forget_refusals(Platform platform, std::string_view channel, std::string_view partition,
+                       const std::vector<int>& ordinals) const;
 
   mutable std::shared_mutex mutex_;
-  // refused_calls per (platform, channel, partition), per device. Taken
-  // after mutex_, never before.
+  // Per (platform, channel, partition), per device: refused calls, and how
+  // many fewer forgive_refusals found than the most. Taken after mutex_,
+  // never before.
+  struct Refused {
+    uint64_t calls = 0;
+    uint64_t forgiven = 0;
+  };
   mutable std::mutex refusals_mutex_;
-  mutable std::map<std::tuple<Platform, std::string, std::string>, std::map<int, uint64_t>> refusals_;
+  mutable std::map<std::tuple<Platform, std::string, std::string>, std::map<int, Refused>> refused_;
   std::vector<std::unique_ptr<ChannelGroup>> groups_;
   std::vector<std::unique_ptr<ChannelGroup>> released_;
 };

@@ -114,7 +114,12 @@ def test_a_preparation_names_the_devices_a_refused_calls_execution_has_not_reach
                              r"calls: device 0: 1, device 1: 0\).*Block on every shard"):
       comm.prepare(mesh, "x", channels=["later-refusal"])
     assert time.monotonic() - started < 1.5
-    time.sleep(3)  # rank 1's execution reaches its call, refused: nothing of it outlives the test
+    time.sleep(3)  # rank 1's execution reaches its call and is refused
+    # As the error says, preparing again goes ahead (counts the call reached rank 1, or never would).
+    comm.prepare(mesh, "x", channels=["later-refusal"])
+    fn = jax.jit(jax.shard_map(lambda v: b12x_jax.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    shards = random_shards(rng, 2, 256, np.float32)
+    assert_sum_matches(np.asarray(fn(put_sharded(mesh, shards))).reshape(2, -1), shards, "float32")
 
 
 def test_a_failed_execution_leaves_later_calls_right_and_reports_nothing_more(cpu_mesh):
