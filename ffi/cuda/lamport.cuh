@@ -35,8 +35,10 @@ namespace b12x {
 // each thread's first pack and the block's start words (lamport_start) are
 // loaded together, thread 0 decides for the block (one reading of the
 // poison word, so no thread leaves while others meet at a barrier), and
-// the header is polled by a thread that holds no packs where there is one,
-// beside the others' polls (docs/DESIGN.md, "Lamport").
+// the header is polled beside the others' polls by a thread that holds no
+// packs where there is one, in a warp of its own where there is one: in a
+// warp with packs its polls would run before theirs, not beside them
+// (docs/DESIGN.md, "Lamport").
 template <int kThreads, class Load, class Push, class Own, class Reduce>
 __device__ __forceinline__ int lamport_exchange_with(const ChannelView& v, const CallTag& tag, size_t n, Load load,
                                                      Push push, Own own, Reduce reduce) {
@@ -61,7 +63,8 @@ __device__ __forceinline__ int lamport_exchange_with(const ChannelView& v, const
   Deadline deadline = call_deadline(v, start.served == 0);  // served only by lamport_advance
 
   // 1. Push this rank's part, and the call's tag, to every peer.
-  const size_t header_thread = n < kThreads ? n : 0;
+  const size_t spare_warp = (n + 31) / 32 * 32;  // the first thread of the first warp without packs
+  const size_t header_thread = spare_warp < kThreads ? spare_warp : n < kThreads ? n : 0;
   if (threadIdx.x == header_thread) lamport_push_header<CudaMem>(v, c);
   for (size_t i = first; i < n; i += kThreads) push(c, i, i == first ? loaded : load(i));
 
