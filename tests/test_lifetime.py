@@ -71,10 +71,12 @@ def _late_on_rank_1(mesh, seconds: float):
 
 
 def _raise_unprepared_and_drop(run, shards) -> str:
-  """Runs on an unprepared channel: rank 0 raises at once. The results are
-  dropped unread on rank 1, so no Python object waits for it."""
+  """Runs on an unprepared channel and reads rank 0's result, which raises
+  at once (np.asarray of the whole result waits for every shard on jax
+  0.12). The results are dropped unread on rank 1, so no Python object
+  waits for it."""
   try:
-    np.asarray(run(shards))
+    np.asarray(run(shards).addressable_shards[0].data)
   except Exception as e:  # noqa: BLE001 - the message is what the caller checks
     return str(e)
   return "no error"
