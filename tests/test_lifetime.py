@@ -95,7 +95,10 @@ def test_a_preparation_waits_for_a_refused_calls_execution_still_on_its_way_to_a
       comm.release("late-refusal")
       assert "is not prepared on device 0" in _raise_unprepared_and_drop(run, random_shards(rng, 2, 256, np.float32))
       gc.collect()
+      started = time.monotonic()
       comm.prepare(mesh, "x", channels=["late-refusal"])
+      # Rank 1 was still short of its call (else this test checks nothing): the preparation waited.
+      assert time.monotonic() - started > 0.1, "rank 1 had reached its call before the preparation"
       for _ in range(3):
         shards = random_shards(rng, 2, 256, np.float32)
         assert_sum_matches(np.asarray(run(shards)).reshape(2, -1), shards, "float32")
