@@ -26,6 +26,7 @@ from helpers import (assert_sum_matches, check_a_failed_call_leaves_later_calls_
 from jax.sharding import PartitionSpec as P
 
 import b12x_jax
+from b12x_jax import _native
 
 
 def check_compiled_across_release_and_prepare(mesh, elems: int) -> None:
@@ -82,23 +83,40 @@ def _raise_unprepared_and_drop(run, shards) -> str:
   return "no error"
 
 
-def test_a_preparation_waits_for_a_refused_calls_execution_still_on_its_way_to_a_device(cpu_mesh):
+def _record_refusal_polls(monkeypatch) -> list[bool]:
+  """The evenness of every poll of the refusal counts a preparation makes
+  (ffi/registry.h refusals), in order."""
+  polls = []
+  count = _native._b12x.refusals
+
+  def recorded(*args):
+    even, calls = count(*args)
+    polls.append(even)
+    return even, calls
+
+  monkeypatch.setattr(_native._b12x, "refusals", recorded)
+  return polls
+
+
+def test_a_preparation_waits_for_a_refused_calls_execution_still_on_its_way_to_a_device(cpu_mesh, monkeypatch):
   # Rank 0's call raised "not prepared" while rank 1's execution of it was still about 0.5 s short
   # of its call, its results dropped. Prepared at once, the channel let that execution meet rank
   # 0's next call (a sum of one new and one old shard) or hold a thread until it timed out (seen
   # on 2 CPU cores). The preparation now waits until rank 1 refused it too.
   mesh = cpu_mesh(2)
   rng = np.random.default_rng(15)
+  polls = _record_refusal_polls(monkeypatch)
   with fresh_communicator(poison_outputs=True) as comm, b12x_jax.channel("late-refusal"):
     run = _late_on_rank_1(mesh, 0.5)
     for cycle in range(2):
       comm.release("late-refusal")
       assert "is not prepared on device 0" in _raise_unprepared_and_drop(run, random_shards(rng, 2, 256, np.float32))
       gc.collect()
-      started = time.monotonic()
+      polls.clear()
       comm.prepare(mesh, "x", channels=["late-refusal"])
-      # Rank 1 was still short of its call (else this test checks nothing): the preparation waited.
-      assert time.monotonic() - started > 0.1, "rank 1 had reached its call before the preparation"
+      # Rank 1 was still short of its call (else this test checks nothing): the preparation found
+      # the counts uneven, then waited until they were even.
+      assert polls[0] is False and polls[-1] is True, polls[:3]
       for _ in range(3):
         shards = random_shards(rng, 2, 256, np.float32)
         assert_sum_matches(np.asarray(run(shards)).reshape(2, -1), shards, "float32")
