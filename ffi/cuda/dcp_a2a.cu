@@ -163,10 +163,12 @@ __global__ void __launch_bounds__(kThreads)
 // no other barrier. Else it reads the cells of the buffer the exchange
 // returned, which stay as they are until this block's next call
 // (merge_block). Both merge the same bits in the same order. kRanks (>= the
-// world) bounds the loops of the merge from registers: 2 where the world
-// is at most 2, so its merge is shorter, else kMaxRanks.
+// world) bounds the loops of the merge from registers: the smallest of 2,
+// 4 and 8 that holds the world, so a small world's merge is shorter. (One
+// block an SM in the launch bounds: without it, ptxas keeps the kRanks = 4
+// kernel to 64 registers and spills.)
 template <DType D, bool kInRegisters, int kRanks>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 1)
     dcp_a2a_lamport_kernel(ChannelView v, DcpShape s, DcpPlan plan, CallTag tag, Placement placement,
                            const Pack* __restrict__ in, const float* __restrict__ in_lse, Pack* __restrict__ out,
                            float* __restrict__ out_lse) {
@@ -247,7 +249,9 @@ __global__ void __launch_bounds__(kThreads)
 // bound that holds `world`.
 template <DType D>
 auto merge_in_registers(int world) {
-  return world <= 2 ? dcp_a2a_lamport_kernel<D, true, 2> : dcp_a2a_lamport_kernel<D, true, kMaxRanks>;
+  return world <= 2   ? dcp_a2a_lamport_kernel<D, true, 2>
+         : world <= 4 ? dcp_a2a_lamport_kernel<D, true, 4>
+                      : dcp_a2a_lamport_kernel<D, true, kMaxRanks>;
 }
 
 int want_grid(const DcpShape& s) {
