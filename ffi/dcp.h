@@ -192,24 +192,26 @@ B12X_HD float negative_infinity() { return bits_f32(0xff800000u); }
 // exp(lse_q - max lse), 0 where source q does not contribute (its payload
 // must then not be read). Returns the merged lse, m + log(sum w); -inf and
 // every scale 0 when no source contributes. Sources in rank order (C9).
-// The loops run to kMaxRanks, unrolled, so a kernel's lse and scale arrays
-// stay in registers.
+// The loops run to kRanks (>= world), unrolled, so a kernel's lse and scale
+// arrays stay in registers; a kernel for small worlds passes a smaller
+// kRanks, for a shorter merge (docs/DESIGN.md, "DCP in the Lamport window").
+template <int kRanks = kMaxRanks>
 B12X_HD float merge_weights(const float* lse, int world, bool base2, float* scale) {
   float m = negative_infinity();
   B12X_UNROLL
-  for (int q = 0; q < kMaxRanks; ++q) {
+  for (int q = 0; q < kRanks; ++q) {
     if (q < world && lse_finite(lse[q]) && lse[q] > m) m = lse[q];
   }
   float sum = 0.0f;
   B12X_UNROLL
-  for (int q = 0; q < kMaxRanks; ++q) {
+  for (int q = 0; q < kRanks; ++q) {
     if (q >= world) continue;
     scale[q] = lse_finite(lse[q]) ? lse_exp(lse[q] - m, base2) : 0.0f;
     sum += scale[q];
   }
   if (sum == 0.0f) return negative_infinity();  // every source empty: output 0
   B12X_UNROLL
-  for (int q = 0; q < kMaxRanks; ++q) {
+  for (int q = 0; q < kRanks; ++q) {
     if (q < world) scale[q] /= sum;
   }
   return m + lse_log(sum, base2);

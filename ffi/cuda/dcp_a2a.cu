@@ -40,12 +40,12 @@ __device__ void fill_failed(const DcpShape& s, int lo, int n, Pack* out, float* 
 
 // One merged pack from each source's pack `src[q]` and the row's weights
 // (merge_weights): sources in rank order (C9); one whose weight is 0 is
-// never read.
-template <DType D>
+// never read. Sources up to kRanks (>= the world), as merge_weights.
+template <DType D, int kRanks = kMaxRanks>
 __device__ __forceinline__ Pack merge_pack(const ChannelView& v, const Pack* src, const float* scale) {
   float acc[Elements<D>::kCount] = {};
 #pragma unroll
-  for (int q = 0; q < kMaxRanks; ++q) {
+  for (int q = 0; q < kRanks; ++q) {
     if (q < v.world && scale[q] != 0.0f) accumulate_scaled<D>(acc, src[q], scale[q]);
   }
   return round_pack<D>(acc);
@@ -162,9 +162,13 @@ __global__ void __launch_bounds__(kThreads)
 // lse are loaded before the exchange, so the merge waits for no load and
 // no other barrier. Else it reads the cells of the buffer the exchange
 // returned, which stay as they are until this block's next call
-// (merge_block). Both merge the same bits in the same order.
-template <DType D, bool kInRegisters>
-__global__ void __launch_bounds__(kThreads)
+// (merge_block). Both merge the same bits in the same order. kRanks (>= the
+// world) bounds the loops of the merge from registers: the smallest of 2,
+// 4 and 8 that holds the world, so a small world's merge is shorter. (One
+// block an SM in the launch bounds: without it, ptxas holds some of these
+// kernels to 64 registers and spills, kRanks = 4 on sm_80 and sm_90.)
+template <DType D, bool kInRegisters, int kRanks>
+__global__ void __launch_bounds__(kThreads, 1)
     dcp_a2a_lamport_kernel(ChannelView v, DcpShape s, DcpPlan plan, CallTag tag, Placement placement,
                            const Pack* __restrict__ in, const float* __restrict__ in_lse, Pack* __restrict__ out,
                            float* __restrict__ out_lse) {
@@ -194,18 +198,19 @@ __global__ void __launch_bounds__(kThreads)
   }
   // Each row's lse from every peer, stored by the lse packs' threads as they
   // arrive: the exchange's last barrier makes them visible to the block.
-  __shared__ float peer_lse[kInRegisters ? kThreads : 1][kMaxRanks];
-  Pack held[kMaxRanks];
+  static_assert(kRanks <= kMaxRanks);
+  __shared__ float peer_lse[kInRegisters ? kThreads : 1][kRanks];
+  Pack held[kRanks];
   const auto keep = [&](size_t, const Pack* staged) {
     if constexpr (kInRegisters) {  // called once, for pack t
 #pragma unroll
-      for (int q = 0; q < kMaxRanks; ++q) held[q] = from_own_input(v, q) ? own : staged[q];
+      for (int q = 0; q < kRanks; ++q) held[q] = from_own_input(v, q) ? own : staged[q];
       if (t >= payload_packs) {
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const int lse_row = (t - payload_packs) * 4 + k;
 #pragma unroll
-          for (int q = 0; q < kMaxRanks; ++q) {
+          for (int q = 0; q < kRanks; ++q) {
             if (lse_row < n && q < v.world && !from_own_input(v, q)) {
               peer_lse[lse_row][q] = bits_f32(staged[q].words[k]);
             }
@@ -220,15 +225,15 @@ __global__ void __launch_bounds__(kThreads)
     // Every thread of a row turns the row's lse into the same weights (one
     // computation, the same bits): no barrier beyond the exchange's.
     if (t < payload_packs) {
-      float row_lse[kMaxRanks];
-      float scale[kMaxRanks];
+      float row_lse[kRanks];
+      float scale[kRanks];
 #pragma unroll
-      for (int q = 0; q < kMaxRanks; ++q) {
+      for (int q = 0; q < kRanks; ++q) {
         if (q < v.world) row_lse[q] = from_own_input(v, q) ? own_lse : peer_lse[row][q];
       }
-      const float merged = merge_weights(row_lse, v.world, s.base2, scale);
+      const float merged = merge_weights<kRanks>(row_lse, v.world, s.base2, scale);
       if (out_lse != nullptr && t == row * s.row_packs) out_lse[lo + row] = merged;
-      out[static_cast<size_t>(lo) * s.row_packs + t] = merge_pack<D>(v, held, scale);
+      out[static_cast<size_t>(lo) * s.row_packs + t] = merge_pack<D, kRanks>(v, held, scale);
     }
   } else {
     char* cells[kMaxRanks];
@@ -238,6 +243,15 @@ __global__ void __launch_bounds__(kThreads)
     }
     merge_block<D>(v, s, lo, n, cell, cells, in, in_lse, out, out_lse);
   }
+}
+
+// The Lamport kernel that merges from registers with the smallest unroll
+// bound that holds `world`.
+template <DType D>
+auto merge_in_registers(int world) {
+  return world <= 2   ? dcp_a2a_lamport_kernel<D, true, 2>
+         : world <= 4 ? dcp_a2a_lamport_kernel<D, true, 4>
+                      : dcp_a2a_lamport_kernel<D, true, kMaxRanks>;
 }
 
 int want_grid(const DcpShape& s) {
@@ -277,10 +291,11 @@ ffi::Error DcpA2aCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::Any
   const bool bf16 = x.element_type() == ffi::DataType::BF16;
   // Every block's cell fits a pack a thread: the merge from registers.
   const bool in_registers = DcpCell{plan.per_block, s.row_packs}.lamport_packs() <= kThreads;
-  const auto kernel =
-      !plan.lamport  ? (bf16 ? dcp_a2a_kernel<DType::kBF16> : dcp_a2a_kernel<DType::kF16>)
-      : in_registers ? (bf16 ? dcp_a2a_lamport_kernel<DType::kBF16, true> : dcp_a2a_lamport_kernel<DType::kF16, true>)
-                     : (bf16 ? dcp_a2a_lamport_kernel<DType::kBF16, false> : dcp_a2a_lamport_kernel<DType::kF16, false>);
+  const auto kernel = !plan.lamport    ? (bf16 ? dcp_a2a_kernel<DType::kBF16> : dcp_a2a_kernel<DType::kF16>)
+                      : !in_registers ? (bf16 ? dcp_a2a_lamport_kernel<DType::kBF16, false, kMaxRanks>
+                                              : dcp_a2a_lamport_kernel<DType::kF16, false, kMaxRanks>)
+                      : bf16          ? merge_in_registers<DType::kBF16>(v.world)
+                                      : merge_in_registers<DType::kF16>(v.world);
   kernel<<<plan.grid, kThreads, 0, stream>>>(v, s, plan, plan.tag(s, bf16 ? DType::kBF16 : DType::kF16, site),
                                             placement_of(expected_device, Platform::kCuda, ordinal), in, in_lse, out,
                                             out_lse);
