@@ -192,27 +192,45 @@ def test_the_ablation_times_ffi_builds_under_ncu_where_asked(tmp_path):
                               ["py", "loopback_kernels.py", "--kernels", "ffi", "--iters", "15"]]
 
 
+def _default_real_architectures() -> list[str]:
+  """The real architectures of CMakeLists.txt's default build that this
+  nvcc knows, e.g. ["80", "90"]."""
+  with open(os.path.join(ROOT, "CMakeLists.txt")) as f:
+    archs = re.search(r'set\(_b12x_default_archs "([^"]+)"\)', f.read()).group(1)
+  known = subprocess.run(["nvcc", "--list-gpu-arch"], capture_output=True, text=True, timeout=60).stdout.split()
+  return [a for a in (a.removesuffix("-real") for a in archs.split(";") if a.endswith("-real")) if f"compute_{a}" in known]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc here: the CUDA kernels are not built")
-def test_the_cuda_lamport_kernels_keep_their_packs_in_registers(tmp_path):
-  """ptxas's report of every CUDA kernel of the Lamport exchange (sm_90, as
-  built): no spills and no stack. A
-  source's pack loaded through a reference into the staging array kept
-  the array in local memory, a round trip through L1 in every call
-  (docs/DESIGN.md, "Lamport")."""
+def test_the_cuda_kernels_keep_their_state_in_registers(tmp_path):
+  """ptxas's report of every kernel of the collectives, for each real
+  architecture of the default build: no spills and no stack. A source's
+  pack loaded through a reference into the staging array kept the array in
+  local memory, a round trip through L1 in every call; and a 512-thread
+  kernel without one block an SM in its launch bounds was held to 64
+  registers and spilled on sm_80/100/120 (docs/DESIGN.md, "Lamport"). The
+  fused kernel's 1024 threads leave it 64 registers whatever the bounds:
+  it is held to none on sm_90 only (the architecture measured)."""
   import jax.ffi
+  archs = _default_real_architectures()
+  assert "90" in archs, archs
+  gencode = [flag for a in archs for flag in ("-gencode", f"arch=compute_{a},code=sm_{a}")]
   frames = {}
   for source in ("all_reduce", "residual_rmsnorm", "dcp_a2a"):
-    proc = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90", "-DB12X_WITH_CUDA=1", "-Xptxas", "-v",
+    proc = subprocess.run(["nvcc", "-std=c++17", "-O3", *gencode, "-DB12X_WITH_CUDA=1", "-Xptxas", "-v",
                            "-isystem", jax.ffi.include_dir(), "-c", os.path.join(ROOT, "ffi", "cuda", f"{source}.cu"),
-                           "-o", str(tmp_path / f"{source}.o")], capture_output=True, text=True, timeout=300)
+                           "-o", str(tmp_path / f"{source}.o")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name, stack, spills in re.findall(r"Function properties for (\S+)\n\s*(\d+) bytes stack frame, (\d+) bytes spill "
-                                          r"stores", proc.stderr):
-      if "lamport" in name or "residual_rmsnorm_kernel" in name:
-        frames[name] = (int(stack), int(spills))
-  assert len(frames) >= 8, frames  # the Lamport all_reduce, fused and dcp kernels of each dtype
-  assert all(spills == 0 for _, spills in frames.values()), frames
-  assert all(stack == 0 for stack, _ in frames.values()), frames
+    reports = re.findall(r"Compiling entry function '(\S+)' for 'sm_(\d+)'\n.*\n\s*(\d+) bytes stack frame, (\d+) "
+                         r"bytes spill stores", proc.stderr)
+    # every kernel's report read, each architecture's kernels alike
+    assert len(reports) == proc.stderr.count("Compiling entry function") > 0, proc.stderr[-3000:]
+    assert sorted(arch for _, arch, _, _ in reports) == sorted(archs * (len(reports) // len(archs))), reports
+    for name, arch, stack, spills in reports:
+      if "residual_rmsnorm_kernel" not in name or arch == "90":
+        frames[name, arch] = (int(stack), int(spills))
+  assert len(frames) >= 8 * len(archs), frames  # the all_reduce and dcp kernels of each dtype, each architecture
+  assert all(frame == (0, 0) for frame in frames.values()), {k: v for k, v in frames.items() if v != (0, 0)}
 
 
 @pytest.mark.parametrize("example", ["dcp_decode.py", "speculative_decoding.py"])

@@ -26,12 +26,14 @@ namespace ffi = xla::ffi;
 namespace b12x {
 namespace {
 
+// A block of kThreads, one block an SM in the launch bounds (docs/DESIGN.md,
+// "Lamport": registers).
 constexpr int kThreads = 512;
 
 // Stage, meet, reduce (all_reduce.h: one_shot_stage, one_shot_reduce). On a
 // failed wait nothing staged may be read (C6).
 template <DType D, bool kPull>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 1)
     one_shot_all_reduce(ChannelView v, Plan plan, CallTag tag, Placement placement, const Pack* __restrict__ in,
                         Pack* __restrict__ out) {
   const int block = blockIdx.x;
@@ -47,7 +49,7 @@ __global__ void __launch_bounds__(kThreads)
 // Reduce-scatter, meet at e, reduce and push, meet at e + 1, gather
 // (all_reduce.h: two_shot_*).
 template <DType D>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 1)
     two_shot_all_reduce(ChannelView v, Plan plan, CallTag tag, Placement placement, const Pack* __restrict__ in,
                         Pack* __restrict__ out) {
   const int block = blockIdx.x;
@@ -64,7 +66,7 @@ __global__ void __launch_bounds__(kThreads)
 // Push, poll, reduce, refill (lamport.cuh). Block b owns the same packs as
 // in the one-shot kernel, and its own cells of the three buffers.
 template <DType D>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 1)
     lamport_all_reduce(ChannelView v, Plan plan, CallTag tag, Placement placement, const Pack* __restrict__ in,
                        Pack* __restrict__ out) {
   tag = placed_tag(tag, placement, v.rank);

@@ -23,6 +23,8 @@ namespace ffi = xla::ffi;
 namespace b12x {
 namespace {
 
+// A block of kThreads, one block an SM in the launch bounds (docs/DESIGN.md,
+// "Lamport": registers).
 constexpr int kThreads = 512;
 // Result bytes one block merges before the grid grows by another block: a
 // decode-sized call is latency-bound (one barrier whatever the size), a
@@ -111,7 +113,7 @@ __device__ void merge_block(const ChannelView& v, const DcpShape& s, int lo, int
 // the shape is static) and only its own staging cells, so blocks never wait
 // on each other.
 template <DType D>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 1)
     dcp_a2a_kernel(ChannelView v, DcpShape s, DcpPlan plan, CallTag tag, Placement placement,
                    const Pack* __restrict__ in, const float* __restrict__ in_lse, Pack* __restrict__ out,
                    float* __restrict__ out_lse) {
