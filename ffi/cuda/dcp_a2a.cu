@@ -166,9 +166,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // returned, which stay as they are until this block's next call
 // (merge_block). Both merge the same bits in the same order. kRanks (>= the
 // world) bounds the loops of the merge from registers: the smallest of 2,
-// 4 and 8 that holds the world, so a small world's merge is shorter. (One
-// block an SM in the launch bounds: without it, ptxas holds some of these
-// kernels to 64 registers and spills, kRanks = 4 on sm_80 and sm_90.)
+// 4 and 8 that holds the world, so a small world's merge is shorter.
 template <DType D, bool kInRegisters, int kRanks>
 __global__ void __launch_bounds__(kThreads, 1)
     dcp_a2a_lamport_kernel(ChannelView v, DcpShape s, DcpPlan plan, CallTag tag, Placement placement,
