@@ -132,12 +132,13 @@ B12X_HD void lamport_push_header(const ChannelView& v, const LamportCall& c) {
   }
 }
 
-// Pack i of this rank's payload, `x`, into its cell of every peer's buffer.
-template <class Mem>
+// Pack i of this rank's payload, `x`, into its cell of every peer's buffer
+// (peers below kRanks, which holds the world: a kernel's unroll bound).
+template <class Mem, int kRanks = kMaxRanks>
 B12X_HD void lamport_push(const ChannelView& v, const LamportCall& c, size_t i, const Pack& x) {
   const Pack wire = lamport_encode(x);
   B12X_UNROLL
-  for (int p = 0; p < kMaxRanks; ++p) {
+  for (int p = 0; p < kRanks; ++p) {
     if (exchanges_with(v, p)) Mem::store_pack(c.cell(v, p, c.buffer, v.rank) + i, wire);
   }
 }
@@ -167,11 +168,12 @@ B12X_HD bool lamport_load(const ChannelView& v, const LamportCall& c, int q, siz
 
 // Empties pack i of every source's cell of the previous buffer (for i below
 // previous_packs), and, for i == 0, the headers: run by this block for
-// every i < max(previous_packs, 1) at any point of its call (see Reuse).
-template <class Mem>
+// every i < max(previous_packs, 1) at any point of its call (see Reuse);
+// sources below kRanks, as lamport_push.
+template <class Mem, int kRanks = kMaxRanks>
 B12X_HD void lamport_refill(const ChannelView& v, const LamportCall& c, size_t i) {
   B12X_UNROLL
-  for (int q = 0; q < kMaxRanks; ++q) {
+  for (int q = 0; q < kRanks; ++q) {
     if (!exchanges_with(v, q)) continue;
     if (i < c.previous_packs) Mem::store_pack(c.cell(v, v.rank, c.previous, q) + i, lamport_empty_pack());
     if (i == 0) Mem::store_pack(c.header(v, v.rank, c.previous, q), lamport_empty_pack());

@@ -161,14 +161,16 @@ B12X_HD Pack round_pack(const float* acc) {
 
 // The reduction of every backend and kernel (DESIGN C9): `staged[q]` of the
 // first `world` ranks summed in fp32 in rank order 0..world-1, plus `extra`
-// where given, rounded once, so every rank computes the same bits.
-template <DType D>
+// where given, rounded once, so every rank computes the same bits. `staged`
+// holds kRanks (>= world) packs: a kernel unrolled to fewer than kMaxRanks
+// sources (lamport.cuh) passes its bound.
+template <DType D, int kRanks = kMaxRanks>
 B12X_HD Pack sum_in_rank_order(const Pack* staged, int world, const Pack* extra = nullptr) {
   float acc[Elements<D>::kCount] = {};
 #if defined(__CUDACC__)
 #pragma unroll
 #endif
-  for (int q = 0; q < kMaxRanks; ++q) {  // a fixed bound keeps `staged` in registers
+  for (int q = 0; q < kRanks; ++q) {  // a fixed bound keeps `staged` in registers
     if (q < world) accumulate<D>(acc, staged[q]);
   }
   if (extra != nullptr) accumulate<D>(acc, *extra);

@@ -63,16 +63,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   two_shot_gather<CudaMem>(b, BlockThreads{});
 }
 
-// Push, poll, reduce, refill (lamport.cuh). Block b owns the same packs as
-// in the one-shot kernel, and its own cells of the three buffers.
-template <DType D>
+// Push, poll, reduce, refill (lamport.cuh), over sources up to kRanks
+// (by_ranks). Block b owns the same packs as in the one-shot kernel, and its
+// own cells of the three buffers.
+template <DType D, int kRanks>
 __global__ void __launch_bounds__(kThreads, 1)
     lamport_all_reduce(ChannelView v, Plan plan, CallTag tag, Placement placement, const Pack* __restrict__ in,
                        Pack* __restrict__ out) {
   tag = placed_tag(tag, placement, v.rank);
   const Slice s = block_slice(blockIdx.x, plan.per_block, plan.packs);
-  const bool done = lamport_exchange<kThreads>(v, tag, in + s.lo, s.n, [&](size_t i, const Pack* staged) {
-    out[s.lo + i] = sum_in_rank_order<D>(staged, v.world);
+  const bool done = lamport_exchange<kThreads, kRanks>(v, tag, in + s.lo, s.n, [&](size_t i, const Pack* staged) {
+    out[s.lo + i] = sum_in_rank_order<D, kRanks>(staged, v.world);
   });
   if (!done) fill_nan(out + s.lo, s.n);
 }
@@ -83,7 +84,8 @@ void launch(const Plan& plan, uint32_t site, const Placement& placement, cudaStr
   const CallTag tag = plan.tag(D, site);
   switch (plan.algorithm) {
     case Algorithm::kLamport:
-      lamport_all_reduce<D><<<plan.grid, kThreads, 0, stream>>>(v, plan, tag, placement, in, out);
+      by_ranks(v.world, [](auto ranks) { return lamport_all_reduce<D, ranks.value>; })<<<plan.grid, kThreads, 0, stream>>>(
+          v, plan, tag, placement, in, out);
       break;
     case Algorithm::kOneShot:
       one_shot_all_reduce<D, false><<<plan.grid, kThreads, 0, stream>>>(v, plan, tag, placement, in, out);

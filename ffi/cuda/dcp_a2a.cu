@@ -165,8 +165,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 // no other barrier. Else it reads the cells of the buffer the exchange
 // returned, which stay as they are until this block's next call
 // (merge_block). Both merge the same bits in the same order. kRanks (>= the
-// world) bounds the loops of the merge from registers: the smallest of 2,
-// 4 and 8 that holds the world, so a small world's merge is shorter.
+// world, by_ranks) bounds the loops over sources of the exchange and of the
+// merge from registers, so a small world's are shorter.
 template <DType D, bool kInRegisters, int kRanks>
 __global__ void __launch_bounds__(kThreads, 1)
     dcp_a2a_lamport_kernel(ChannelView v, DcpShape s, DcpPlan plan, CallTag tag, Placement placement,
@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   };
-  const int buffer = lamport_exchange_with<kThreads>(v, tag, cell.lamport_packs(), load, push, no_own, keep);
+  const int buffer = lamport_exchange_with<kThreads, kRanks>(v, tag, cell.lamport_packs(), load, push, no_own, keep);
   if (buffer < 0) return fill_failed(s, lo, n, out, out_lse);
   if constexpr (kInRegisters) {
     // Every thread of a row turns the row's lse into the same weights (one
@@ -243,15 +243,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     merge_block<D>(v, s, lo, n, cell, cells, in, in_lse, out, out_lse);
   }
-}
-
-// The Lamport kernel that merges from registers with the smallest unroll
-// bound that holds `world`.
-template <DType D>
-auto merge_in_registers(int world) {
-  return world <= 2   ? dcp_a2a_lamport_kernel<D, true, 2>
-         : world <= 4 ? dcp_a2a_lamport_kernel<D, true, 4>
-                      : dcp_a2a_lamport_kernel<D, true, kMaxRanks>;
 }
 
 int want_grid(const DcpShape& s) {
@@ -291,11 +282,15 @@ ffi::Error DcpA2aCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::Any
   const bool bf16 = x.element_type() == ffi::DataType::BF16;
   // Every block's cell fits a pack a thread: the merge from registers.
   const bool in_registers = DcpCell{plan.per_block, s.row_packs}.lamport_packs() <= kThreads;
-  const auto kernel = !plan.lamport    ? (bf16 ? dcp_a2a_kernel<DType::kBF16> : dcp_a2a_kernel<DType::kF16>)
-                      : !in_registers ? (bf16 ? dcp_a2a_lamport_kernel<DType::kBF16, false, kMaxRanks>
-                                              : dcp_a2a_lamport_kernel<DType::kF16, false, kMaxRanks>)
-                      : bf16          ? merge_in_registers<DType::kBF16>(v.world)
-                                      : merge_in_registers<DType::kF16>(v.world);
+  const auto lamport_kernel = [&](auto ranks) {
+    constexpr int kRanks = ranks.value;
+    return bf16 ? (in_registers ? dcp_a2a_lamport_kernel<DType::kBF16, true, kRanks>
+                                : dcp_a2a_lamport_kernel<DType::kBF16, false, kRanks>)
+                : (in_registers ? dcp_a2a_lamport_kernel<DType::kF16, true, kRanks>
+                                : dcp_a2a_lamport_kernel<DType::kF16, false, kRanks>);
+  };
+  const auto kernel = !plan.lamport ? (bf16 ? dcp_a2a_kernel<DType::kBF16> : dcp_a2a_kernel<DType::kF16>)
+                                    : by_ranks(v.world, lamport_kernel);
   kernel<<<plan.grid, kThreads, 0, stream>>>(v, s, plan, plan.tag(s, bf16 ? DType::kBF16 : DType::kF16, site),
                                             placement_of(expected_device, Platform::kCuda, ordinal), in, in_lse, out,
                                             out_lse);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../channel.h"
 #include "../lamport.h"
@@ -39,9 +40,12 @@ namespace b12x {
 // packs where there is one, in a warp of its own where there is one: in a
 // warp with packs its polls would run before theirs, not beside them
 // (docs/DESIGN.md, "Lamport").
-template <int kThreads, class Load, class Push, class Own, class Reduce>
+// The loops over sources run to kRanks, which must hold the world (the
+// kernel's unroll bound, picked by by_ranks): `reduce` gets kRanks packs.
+template <int kThreads, int kRanks, class Load, class Push, class Own, class Reduce>
 __device__ __forceinline__ int lamport_exchange_with(const ChannelView& v, const CallTag& tag, size_t n, Load load,
                                                      Push push, Own own, Reduce reduce) {
+  static_assert(kRanks <= kMaxRanks);
   // Thread 0's decision at the start, apart from `failed`: a wait may set
   // that one before a slow warp has read the decision, and that warp would
   // leave without its pushes.
@@ -52,6 +56,7 @@ __device__ __forceinline__ int lamport_exchange_with(const ChannelView& v, const
   decltype(load(first)) loaded{};
   if (first < n) loaded = load(first);
   if (threadIdx.x == 0) {
+    if (v.world > kRanks) __trap();  // a launch bug that would skip sources: never a quiet wrong sum
     const LamportStart s = lamport_start<CudaMem>(v, blockIdx.x);
     halted = lamport_halted<CudaMem>(v, s) ? 1 : 0;
     failed = 0;
@@ -71,7 +76,7 @@ __device__ __forceinline__ int lamport_exchange_with(const ChannelView& v, const
   // 2. Refill the cells this block read in its previous call: its stores
   //    overlap the polls (lamport.h: any time in call k is before call
   //    k + 1's pushes, which is all the reuse argument asks).
-  for (size_t i = first; i < lamport_refill_packs(c); i += kThreads) lamport_refill<CudaMem>(v, c, i);
+  for (size_t i = first; i < lamport_refill_packs(c); i += kThreads) lamport_refill<CudaMem, kRanks>(v, c, i);
 
   // 3. Poll each source's pack until every word arrived, then reduce. One
   //    failed thread stops the block.
@@ -93,10 +98,10 @@ __device__ __forceinline__ int lamport_exchange_with(const ChannelView& v, const
     }
   }
   for (size_t i = first; i < n && !failed; i += kThreads) {
-    Pack staged[kMaxRanks];
+    Pack staged[kRanks];
     bool ok = true;
 #pragma unroll
-    for (int q = 0; q < kMaxRanks; ++q) {
+    for (int q = 0; q < kRanks; ++q) {
       if (q >= v.world || !ok) continue;
       // Loaded into a local, then stored at the unrolled index: loaded
       // through a reference into staged[q], the array lived in local
@@ -122,12 +127,23 @@ __device__ __forceinline__ int lamport_exchange_with(const ChannelView& v, const
 
 // The exchange of a sum: every peer gets this rank's `in[0, n)`. True
 // where lamport_exchange_with returns a buffer.
-template <int kThreads, class Reduce>
+template <int kThreads, int kRanks, class Reduce>
 __device__ __forceinline__ bool lamport_exchange(const ChannelView& v, const CallTag& tag,
                                                  const Pack* __restrict__ in, size_t n, Reduce reduce) {
   const auto load = [&](size_t i) { return in[i]; };
-  const auto push = [&](const LamportCall& c, size_t i, const Pack& x) { lamport_push<CudaMem>(v, c, i, x); };
-  return lamport_exchange_with<kThreads>(v, tag, n, load, push, load, reduce) >= 0;
+  const auto push = [&](const LamportCall& c, size_t i, const Pack& x) { lamport_push<CudaMem, kRanks>(v, c, i, x); };
+  return lamport_exchange_with<kThreads, kRanks>(v, tag, n, load, push, load, reduce) >= 0;
+}
+
+// `pick(std::integral_constant<int, kRanks>{})` for the smallest kRanks of
+// 2, 4 and kMaxRanks that holds `world`: a Lamport kernel's unroll bound over
+// sources, so a small world runs shorter loops (docs/DESIGN.md, "Lamport").
+// Every bound's `pick` must return the same type (a kernel pointer).
+template <class Pick>
+auto by_ranks(int world, Pick pick) {
+  if (world <= 2) return pick(std::integral_constant<int, 2>{});
+  if (world <= 4) return pick(std::integral_constant<int, 4>{});
+  return pick(std::integral_constant<int, kMaxRanks>{});
 }
 
 }  // namespace b12x

@@ -58,8 +58,8 @@ __device__ __forceinline__ void prefetch_l1(const void* p) {
 // before the exchange, and the norm reads the sum from registers, so after
 // the polls no load waits on memory. Else the row is read back from
 // residual_out. Both paths sum the squares over the same threads in the
-// same order: the same bits.
-template <DType D, bool kInRegisters>
+// same order: the same bits. Sources up to kRanks (by_ranks).
+template <DType D, bool kInRegisters, int kRanks>
 __global__ void __launch_bounds__(kThreads)
     residual_rmsnorm_kernel(ChannelView v, RowsShape s, RowsPlan plan, CallTag tag, Placement placement, float eps,
                             const Pack* __restrict__ in,
@@ -76,9 +76,9 @@ __global__ void __launch_bounds__(kThreads)
     prefetch_l1(residual + lo + threadIdx.x);
     prefetch_l1(weight + threadIdx.x);
   }
-  const bool done = lamport_exchange<kThreads>(v, tag, in + lo, n, [&](size_t i, const Pack* staged) {
+  const bool done = lamport_exchange<kThreads, kRanks>(v, tag, in + lo, n, [&](size_t i, const Pack* staged) {
     const Pack r = residual[lo + i];
-    const Pack total = sum_in_rank_order<D>(staged, v.world, &r);
+    const Pack total = sum_in_rank_order<D, kRanks>(staged, v.world, &r);
     residual_out[lo + i] = total;
     if constexpr (kInRegisters) sum = total;  // i == threadIdx.x: this thread's one pass
   });
@@ -135,19 +135,23 @@ ffi::Error ResidualRmsnormCuda(cudaStream_t stream, int32_t ordinal, ffi::Token,
   const auto* w = static_cast<const Pack*>(weight.untyped_data());
   const Placement placement = placement_of(expected_device, Platform::kCuda, ordinal);
   const bool in_registers = plan.rows_per_block == 1 && s.row_packs <= kThreads;
-  const auto launch = [&](auto kernel, auto kernel_in_registers, DType dtype) {
-    (in_registers ? kernel_in_registers : kernel)<<<plan.grid, kThreads, 0, stream>>>(
-        v, s, plan, plan.tag(s, dtype, site), placement, eps, in, res, w, out, res_out);
+  const auto launch = [&](auto dtype) {
+    constexpr DType kD = decltype(dtype)::value;
+    const auto kernel = by_ranks(v.world, [&](auto ranks) {
+      return in_registers ? residual_rmsnorm_kernel<kD, true, ranks.value> : residual_rmsnorm_kernel<kD, false, ranks.value>;
+    });
+    kernel<<<plan.grid, kThreads, 0, stream>>>(v, s, plan, plan.tag(s, kD, site), placement, eps, in, res, w, out,
+                                               res_out);
   };
   switch (x.element_type()) {
     case ffi::DataType::F32:
-      launch(residual_rmsnorm_kernel<DType::kF32, false>, residual_rmsnorm_kernel<DType::kF32, true>, DType::kF32);
+      launch(std::integral_constant<DType, DType::kF32>{});
       break;
     case ffi::DataType::BF16:
-      launch(residual_rmsnorm_kernel<DType::kBF16, false>, residual_rmsnorm_kernel<DType::kBF16, true>, DType::kBF16);
+      launch(std::integral_constant<DType, DType::kBF16>{});
       break;
     case ffi::DataType::F16:
-      launch(residual_rmsnorm_kernel<DType::kF16, false>, residual_rmsnorm_kernel<DType::kF16, true>, DType::kF16);
+      launch(std::integral_constant<DType, DType::kF16>{});
       break;
     default:
       return ffi::Error::InvalidArgument(op + "dtype must be float32, bfloat16 or float16");
