@@ -233,6 +233,24 @@ def test_the_cuda_kernels_keep_their_state_in_registers(tmp_path):
   assert all(frame == (0, 0) for frame in frames.values()), {k: v for k, v in frames.items() if v != (0, 0)}
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc here: the CUDA kernels are not built")
+def test_every_world_gets_the_smallest_lamport_kernel_that_holds_it(tmp_path):
+  """by_ranks (ffi/cuda/lamport.cuh), which picks a Lamport kernel's unroll
+  bound over sources: a bound below the world would skip a source (the
+  kernel traps then); one above it is a longer path (docs/DESIGN.md,
+  "Lamport"). Run on the host: it is host code."""
+  import jax.ffi
+  source = tmp_path / "by_ranks.cu"
+  source.write_text('#include <cstdio>\n#include "ffi/cuda/lamport.cuh"\n'
+                    "int main() { for (int w = 1; w <= b12x::kMaxRanks; ++w) "
+                    'std::printf("%d ", b12x::by_ranks(w, [](auto ranks) { return ranks.value; })); }\n')
+  build = subprocess.run(["nvcc", "-std=c++17", "-I", ROOT, "-isystem", jax.ffi.include_dir(), str(source), "-o",
+                          str(tmp_path / "by_ranks")], capture_output=True, text=True, timeout=600)
+  assert build.returncode == 0, build.stderr[-3000:]
+  picked = subprocess.run([str(tmp_path / "by_ranks")], capture_output=True, text=True, timeout=60).stdout.split()
+  assert [int(k) for k in picked] == [2, 2, 4, 4, 8, 8, 8, 8]
+
+
 @pytest.mark.parametrize("example", ["dcp_decode.py", "speculative_decoding.py"])
 def test_timing_examples_say_cpu_timings_measure_the_emulation(example):
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", example), "--help"], capture_output=True,

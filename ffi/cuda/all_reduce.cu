@@ -83,10 +83,11 @@ void launch(const Plan& plan, uint32_t site, const Placement& placement, cudaStr
             const Pack* in, Pack* out) {
   const CallTag tag = plan.tag(D, site);
   switch (plan.algorithm) {
-    case Algorithm::kLamport:
-      by_ranks(v.world, [](auto ranks) { return lamport_all_reduce<D, ranks.value>; })<<<plan.grid, kThreads, 0, stream>>>(
-          v, plan, tag, placement, in, out);
+    case Algorithm::kLamport: {
+      const auto kernel = by_ranks(v.world, [](auto ranks) { return lamport_all_reduce<D, ranks.value>; });
+      kernel<<<plan.grid, kThreads, 0, stream>>>(v, plan, tag, placement, in, out);
       break;
+    }
     case Algorithm::kOneShot:
       one_shot_all_reduce<D, false><<<plan.grid, kThreads, 0, stream>>>(v, plan, tag, placement, in, out);
       break;
