@@ -138,7 +138,8 @@ ffi::Error ResidualRmsnormCuda(cudaStream_t stream, int32_t ordinal, ffi::Token,
   const auto launch = [&](auto dtype) {
     constexpr DType kD = decltype(dtype)::value;
     const auto kernel = by_ranks(v.world, [&](auto ranks) {
-      return in_registers ? residual_rmsnorm_kernel<kD, true, ranks.value> : residual_rmsnorm_kernel<kD, false, ranks.value>;
+      return in_registers ? residual_rmsnorm_kernel<kD, true, ranks.value>
+                          : residual_rmsnorm_kernel<kD, false, ranks.value>;
     });
     kernel<<<plan.grid, kThreads, 0, stream>>>(v, s, plan, plan.tag(s, kD, site), placement, eps, in, res, w, out,
                                                res_out);
