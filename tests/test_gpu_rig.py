@@ -65,6 +65,17 @@ def test_the_fused_op_matches_float64_with_identical_bits(gpu_rig, n):
   assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == 3 * len(FUSED_CASES)
 
 
+def test_three_processes_run_the_ffi_lamport_kernels_of_four_sources_right(gpu_rig):
+  """A world that is not a power of two: every FFI Lamport kernel runs
+  unrolled to 4 sources, the fourth guarded by the world (docs/DESIGN.md,
+  "Lamport"). all_reduce, dcp_a2a across the wrap and the fused op, each
+  against float64 (the fused op with the same bits on every rank)."""
+  check_all_reduce_configs(gpu_rig("all_reduce", 3, "--configs", json.dumps(ALL_REDUCE_CONFIGS)))
+  check_dcp(gpu_rig("dcp", 3, "--wrap", communicator=json.loads(dcp_options("lamport"))), wrap=True, protocol="lamport")
+  results = gpu_rig("residual_rmsnorm", 3, communicator={"poison_outputs": True})
+  assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == 3 * len(FUSED_CASES)
+
+
 @pytest.mark.parametrize("graphs", ["on", "off"])
 @pytest.mark.parametrize("n", WORLDS)
 def test_the_triton_fused_op_matches_float64_with_identical_bits_across_the_wrap(gpu_rig, n, graphs):

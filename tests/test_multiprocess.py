@@ -67,6 +67,16 @@ def test_the_fused_op_across_processes_matches_float64_with_identical_bits(multi
   assert results[0]["hashes"] == results[1]["hashes"] and len(results[0]["hashes"]) == 3 * len(FUSED_CASES)
 
 
+def test_three_processes_match_float64_on_every_op(multiprocess):
+  """A world that is not a power of two (the CUDA Lamport kernels take it
+  unrolled to 4 sources: the rig runs the same on a GPU)."""
+  from mp_workers import FUSED_CASES
+  check_all_reduce_configs(multiprocess("all_reduce", 3, "--configs", json.dumps(ALL_REDUCE_CONFIGS)))
+  check_dcp(multiprocess("dcp", 3, "--wrap", "--communicator", dcp_options("lamport")), wrap=True, protocol="lamport")
+  results = multiprocess("residual_rmsnorm", 3, "--communicator", json.dumps({"poison_outputs": True}))
+  assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == 3 * len(FUSED_CASES)
+
+
 @pytest.mark.parametrize("op", ["all_reduce", "dcp_a2a", "residual_rmsnorm"])
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_process_that_prepared_but_never_calls_gives_the_others_the_timeout_error(multiprocess, n, op):
