@@ -1,4 +1,4 @@
-"""The one-GPU rig: 2, 4 and 8 jax.distributed processes that all take GPU 0
+"""The one-GPU rig: 2, 4 and 8 (and 3) jax.distributed processes that all take GPU 0
 form a mesh of distinct devices, and b12x runs between them over CUDA IPC on
 the one GPU, under MPS (conftest's ``gpu_rig``). The multi-process cases of
 tests/test_multiprocess.py, through the same worker modes, on CUDA at every
