@@ -221,8 +221,12 @@ def test_an_export_called_with_its_devices_at_other_mesh_positions_stops_with_an
       np.testing.assert_allclose(np.asarray(call(jax.device_put(x, NamedSharding(called_on, spec)))), want,
                                  rtol=1e-6)
       return
+    misplaced = call(jax.device_put(x, NamedSharding(called_on, spec)))
     with pytest.raises(Exception, match=_MISPLACED):
-      np.asarray(call(jax.device_put(x, NamedSharding(called_on, spec))))
+      np.asarray(misplaced)
+    # Kept alive, so release waits for every shard of it (communicator.settle): a shard still on its way
+    # would reach its device after the release, be refused there and not on the others, and the
+    # preparation below would wait for it to reach them too (docs/DESIGN.md, "Lifetime").
     comm.release("placed")
     comm.prepare(exported_on, "x", channels=["placed"])
     x = rng.standard_normal((4, 2 * ELEMS)).astype(np.float32)
