@@ -38,16 +38,22 @@ L=ffi/cuda/lamport.cuh
 X=b12x_jax/kernels/exchange.py
 R=b12x_jax/kernels/residual_rmsnorm.py
 D=ffi/cuda/dcp_a2a.cu
+# The Lamport exchange's safety steps, each taken out by one edit of $L
+# (composed by the builds below).
+NO_TAG='s/if (threadIdx.x == header_thread) lamport_push_header<CudaMem>(v, c);//; s/if (exchanges_with(v, q) \&\& !await(q, \[\&\] { return lamport_header_state<CudaMem>(v, c, q); })) break;/(void)q;/'
+NO_BOUND='s/(spins \& 63) == 0 ? poll_peer<CudaMem>(v, q, c.call + 1u, deadline, probe) : probe()/probe()/; s/call_deadline(v, start.served == 0)/Deadline{}/'
+NO_HALT='s/halted = lamport_halted<CudaMem>(v, s) ? 1 : 0;/halted = 0;/'
+NO_REFILL='s/for (size_t i = first; i < lamport_refill_packs(c); i += kThreads) lamport_refill<CudaMem, kRanks>(v, c, i);//'
 # name | file | sed expression (each must change its file)
 VARIANTS=(
   "as built|$L|"
-  "no tag (header neither pushed nor polled)|$L|s/if (threadIdx.x == header_thread) lamport_push_header<CudaMem>(v, c);//; s/if (exchanges_with(v, q) \&\& !await(q, \[\&\] { return lamport_header_state<CudaMem>(v, c, q); })) break;/(void)q;/"
-  "no bound (polls without clock, deadline or peer poison)|$L|s/(spins \& 63) == 0 ? poll_peer<CudaMem>(v, q, c.call + 1u, deadline, probe) : probe()/probe()/; s/call_deadline(v, start.served == 0)/Deadline{}/"
-  "no halt check (poison, generation)|$L|s/halted = lamport_halted<CudaMem>(v, s) ? 1 : 0;/halted = 0;/"
-  "no refill|$L|s/for (size_t i = first; i < lamport_refill_packs(c); i += kThreads) lamport_refill<CudaMem, kRanks>(v, c, i);//"
-  "no tag, no bound, no halt check together|$L|s/if (threadIdx.x == header_thread) lamport_push_header<CudaMem>(v, c);//; s/if (exchanges_with(v, q) \&\& !await(q, \[\&\] { return lamport_header_state<CudaMem>(v, c, q); })) break;/(void)q;/; s/(spins \& 63) == 0 ? poll_peer<CudaMem>(v, q, c.call + 1u, deadline, probe) : probe()/probe()/; s/call_deadline(v, start.served == 0)/Deadline{}/; s/halted = lamport_halted<CudaMem>(v, s) ? 1 : 0;/halted = 0;/"
+  "no tag (header neither pushed nor polled)|$L|$NO_TAG"
+  "no bound (polls without clock, deadline or peer poison)|$L|$NO_BOUND"
+  "no halt check (poison, generation)|$L|$NO_HALT"
+  "no refill|$L|$NO_REFILL"
+  "no tag, no bound, no halt check together|$L|$NO_TAG; $NO_BOUND; $NO_HALT"
   "the exchange alone (store, poll, reset; no start words, barrier, tag, bound, refill, advance)|ffi/cuda/all_reduce.cu|/const Slice s = block_slice(blockIdx.x, plan.per_block, plan.packs);/a\\  if (true) { for (size_t i = threadIdx.x; i < s.n; i += kThreads) { Pack* cell = reinterpret_cast<Pack*>(v.lamport[v.rank] + v.lamport_layout.cell_offset(0, 0, blockIdx.x)) + i; CudaMem::store_pack(cell, in[s.lo + i]); Pack y; do { y = CudaMem::load_volatile(cell); } while (!lamport_arrived(y)); out[s.lo + i] = y; CudaMem::store_pack(cell, lamport_empty_pack()); } return; }"
-  "the protocol without tag, bound, halt check and refill (start words, barriers, pushes, polls, advance)|$L|s/if (threadIdx.x == header_thread) lamport_push_header<CudaMem>(v, c);//; s/if (exchanges_with(v, q) \&\& !await(q, \[\&\] { return lamport_header_state<CudaMem>(v, c, q); })) break;/(void)q;/; s/(spins \& 63) == 0 ? poll_peer<CudaMem>(v, q, c.call + 1u, deadline, probe) : probe()/probe()/; s/call_deadline(v, start.served == 0)/Deadline{}/; s/halted = lamport_halted<CudaMem>(v, s) ? 1 : 0;/halted = 0;/; s/for (size_t i = first; i < lamport_refill_packs(c); i += kThreads) lamport_refill<CudaMem, kRanks>(v, c, i);//"
+  "the protocol without tag, bound, halt check and refill (start words, barriers, pushes, polls, advance)|$L|$NO_TAG; $NO_BOUND; $NO_HALT; $NO_REFILL"
   "the launch alone (the Lamport kernel returns at once)|ffi/cuda/all_reduce.cu|/const Slice s = block_slice(blockIdx.x, plan.per_block, plan.packs);/i\\  if (plan.packs != 0) return;"
   "128 threads a block, not 512|ffi/cuda/all_reduce.cu|s/constexpr int kThreads = 512;/constexpr int kThreads = 128;/"
   "256 threads a block, not 512|ffi/cuda/all_reduce.cu|s/constexpr int kThreads = 512;/constexpr int kThreads = 256;/"

@@ -1,4 +1,4 @@
-"""The one-GPU rig: 2, 4 and 8 (and 3) jax.distributed processes that all take GPU 0
+"""The one-GPU rig: 2, 3, 4 and 8 jax.distributed processes that all take GPU 0
 form a mesh of distinct devices, and b12x runs between them over CUDA IPC on
 the one GPU, under MPS (conftest's ``gpu_rig``). The multi-process cases of
 tests/test_multiprocess.py, through the same worker modes, on CUDA at every
@@ -16,7 +16,7 @@ import pytest
 from mp_workers import FUSED_CASES
 from test_multiprocess import (ALL_REDUCE_CONFIGS, MISMATCHED_CALLS, check_all_reduce_configs, check_capacity_edge,
                                check_dcp, check_drop_in, check_loops, check_misplaced, check_mismatch,
-                               check_never_calls,
+                               check_every_op, check_fused_bits, check_never_calls,
                                dcp_options)
 
 pytestmark = pytest.mark.gpu_rig
@@ -61,19 +61,14 @@ def test_the_triton_dcp_merge_runs_with_cuda_graphs_off(gpu_rig, n):
 
 @pytest.mark.parametrize("n", WORLDS)
 def test_the_fused_op_matches_float64_with_identical_bits(gpu_rig, n):
-  results = gpu_rig("residual_rmsnorm", n, communicator={"poison_outputs": True})
-  assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == 3 * len(FUSED_CASES)
+  check_fused_bits(gpu_rig("residual_rmsnorm", n, communicator={"poison_outputs": True}))
 
 
 def test_three_processes_run_the_ffi_lamport_kernels_of_four_sources_right(gpu_rig):
   """A world that is not a power of two: every FFI Lamport kernel runs
   unrolled to 4 sources, the fourth guarded by the world (docs/DESIGN.md,
-  "Lamport"). all_reduce, dcp_a2a across the wrap and the fused op, each
-  against float64 (the fused op with the same bits on every rank)."""
-  check_all_reduce_configs(gpu_rig("all_reduce", 3, "--configs", json.dumps(ALL_REDUCE_CONFIGS)))
-  check_dcp(gpu_rig("dcp", 3, "--wrap", communicator=json.loads(dcp_options("lamport"))), wrap=True, protocol="lamport")
-  results = gpu_rig("residual_rmsnorm", 3, communicator={"poison_outputs": True})
-  assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == 3 * len(FUSED_CASES)
+  "Lamport"); the same cases as on CPU (test_multiprocess.py)."""
+  check_every_op(lambda mode, *args, communicator=None: gpu_rig(mode, 3, *args, communicator=communicator))
 
 
 @pytest.mark.parametrize("graphs", ["on", "off"])
@@ -82,8 +77,8 @@ def test_the_triton_fused_op_matches_float64_with_identical_bits_across_the_wrap
   results = gpu_rig("residual_rmsnorm", n, "--wrap", env=GRAPHS_OFF if graphs == "off" else None,
                     communicator={"poison_outputs": True, "kernels": "triton", "timeout_s": 5.0,
                                   "setup_timeout_s": 20.0})
+  check_fused_bits(results)
   cases = 3 * len(FUSED_CASES)  # dtypes x shapes, twice: from 5 before the wrap, the split rows' meeting words too
-  assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == cases
   # The FFI (float16) calls and the Triton ones share the channel's counters.
   assert {r["epoch"] for r in results} == {(2 * (2**32 - 5) + 2 * cases) % 2**32}, results  # both counters wrapped
   for case, kinds in results[0]["kernels"].items():  # float16 has no Triton kernel: the FFI one ran it

@@ -61,20 +61,32 @@ def test_a_failed_execution_across_processes_leaves_later_calls_right(multiproce
   assert multiprocess("after_failure", 2) == [{"checked": True}] * 2
 
 
-def test_the_fused_op_across_processes_matches_float64_with_identical_bits(multiprocess):
-  results = multiprocess("residual_rmsnorm", 2, "--communicator", json.dumps({"poison_outputs": True}))
+def check_fused_bits(results: list[dict]) -> None:
+  """residual_rmsnorm mode's results: every process checked each call
+  against float64 and hashed its outputs: every process the same bits, for
+  every case."""
   from mp_workers import FUSED_CASES
-  assert results[0]["hashes"] == results[1]["hashes"] and len(results[0]["hashes"]) == 3 * len(FUSED_CASES)
+  assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == 3 * len(FUSED_CASES)
+
+
+def check_every_op(run) -> None:
+  """all_reduce (every configuration), dcp_a2a on the Lamport path across
+  the wrap and the fused op, each against float64, where ``run(mode, *args,
+  communicator=None)`` runs a worker mode in every process."""
+  check_all_reduce_configs(run("all_reduce", "--configs", json.dumps(ALL_REDUCE_CONFIGS)))
+  check_dcp(run("dcp", "--wrap", communicator=json.loads(dcp_options("lamport"))), wrap=True, protocol="lamport")
+  check_fused_bits(run("residual_rmsnorm", communicator={"poison_outputs": True}))
+
+
+def test_the_fused_op_across_processes_matches_float64_with_identical_bits(multiprocess):
+  check_fused_bits(multiprocess("residual_rmsnorm", 2, "--communicator", json.dumps({"poison_outputs": True})))
 
 
 def test_three_processes_match_float64_on_every_op(multiprocess):
   """A world that is not a power of two (the CUDA Lamport kernels take it
   unrolled to 4 sources: the rig runs the same on a GPU)."""
-  from mp_workers import FUSED_CASES
-  check_all_reduce_configs(multiprocess("all_reduce", 3, "--configs", json.dumps(ALL_REDUCE_CONFIGS)))
-  check_dcp(multiprocess("dcp", 3, "--wrap", "--communicator", dcp_options("lamport")), wrap=True, protocol="lamport")
-  results = multiprocess("residual_rmsnorm", 3, "--communicator", json.dumps({"poison_outputs": True}))
-  assert all(r["hashes"] == results[0]["hashes"] for r in results) and len(results[0]["hashes"]) == 3 * len(FUSED_CASES)
+  check_every_op(lambda mode, *args, communicator=None: multiprocess(
+      mode, 3, *args, *(["--communicator", json.dumps(communicator)] if communicator else [])))
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "dcp_a2a", "residual_rmsnorm"])
