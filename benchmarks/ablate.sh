@@ -26,7 +26,8 @@
 # ABLATE_NCU=1: the FFI builds timed by breakdown.py with each kernel's duration from
 # Nsight Compute beside the wall time (another tree's ffi/: all_reduce, dcp_a2a and the
 # fused op); the durations vary less than the wall times between runs. The "dcp:" builds
-# time dcp_a2a.)
+# time dcp_a2a. ABLATE_NCU_CACHE: ncu's --cache-control, default "all", caches flushed before
+# each kernel; "none" times each kernel warm, as a chain of calls runs it.)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${ABLATE_DIR:-/tmp/b12x_ablate}
@@ -140,7 +141,8 @@ for variant in "${VARIANTS[@]}"; do
   elif [[ "$file" == ffi* ]]; then
     timer=(breakdown.py --kinds "$kinds" --sizes "$SIZES" --iters 15) rows="^ +[0-9]+ (KiB|MiB)"
     if [ -n "${ABLATE_NCU:-}" ]; then  # each kernel's duration beside its wall time, steadier than the wall
-      (cd "$WORK/benchmarks" && ncu --clock-control none --graph-profiling node --metrics gpu__time_duration.sum \
+      (cd "$WORK/benchmarks" && ncu --clock-control none --cache-control "${ABLATE_NCU_CACHE:-all}" --graph-profiling node \
+        --metrics gpu__time_duration.sum \
         -k regex:'lamport|rmsnorm' --csv $PY breakdown.py --profile --kinds "$kinds" --sizes "$SIZES" \
         >"$WORK/kernels.csv" 2>"$WORK/ncu.log") || { tail -20 "$WORK/ncu.log"; echo "== $name: ncu failed"; exit 1; }
       timer+=(--kernels "$WORK/kernels.csv")
