@@ -149,7 +149,8 @@ def test_the_ablation_times_another_trees_ffi_kernels_beside_this_trees_build(tm
 def test_the_ablation_times_ffi_builds_under_ncu_where_asked(tmp_path):
   """benchmarks/ablate.sh with ABLATE_NCU=1 profiles each FFI build with
   Nsight Compute and hands its CSV to breakdown.py (a "dcp:" build: dcp_a2a;
-  another tree's ffi/: every FFI op); without it, no ncu. Run with stand-in
+  another tree's ffi/: every FFI op), caches flushed before each kernel
+  unless ABLATE_NCU_CACHE says otherwise; without it, no ncu. Run with stand-in
   ncu and python that write their arguments, one a line (no GPU here)."""
   stubs = tmp_path / "bin"
   stubs.mkdir()
@@ -168,10 +169,10 @@ def test_the_ablation_times_ffi_builds_under_ncu_where_asked(tmp_path):
          "ABLATE_DIR": str(tmp_path / "ablate"), "ABLATE_FFI": str(other),
          "ABLATE_ONLY": "^(dcp: as built|ffi: the kernels)"}
 
-  def calls(ncu: bool) -> list[list[str]]:
+  def calls(ncu: bool, **more: str) -> list[list[str]]:
     log.unlink(missing_ok=True)
     proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "ablate.sh"), "4096"], capture_output=True,
-                          text=True, timeout=120, env={**env, "ABLATE_NCU": "1" if ncu else ""})
+                          text=True, timeout=120, env={**env, "ABLATE_NCU": "1" if ncu else "", **more})
     # each build's rows of its timer's table: breakdown.py's by size, loopback_kernels.py's by shape
     rows = ["4 KiB"] * 2 if ncu else ["4 KiB", "1 x 8 x 128"]
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -179,15 +180,19 @@ def test_the_ablation_times_ffi_builds_under_ncu_where_asked(tmp_path):
     words = log.read_text().split("\n--\n")
     return [w.split("\n") for w in words if w.strip() and "pip" not in w]
 
-  profile = ["--clock-control", "none", "--graph-profiling", "node", "--metrics", "gpu__time_duration.sum", "-k",
-             "regex:lamport|rmsnorm", "--csv", str(stubs / "py"), "breakdown.py", "--profile"]
+  def profile(cache: str) -> list[str]:
+    return ["--clock-control", "none", "--cache-control", cache, "--graph-profiling", "node", "--metrics",
+            "gpu__time_duration.sum", "-k", "regex:lamport|rmsnorm", "--csv", str(stubs / "py"), "breakdown.py",
+            "--profile"]
+
   csv = str(tmp_path / "ablate" / "kernels.csv")
   timed = ["--sizes", "4096", "--iters", "15", "--kernels", csv]
-  assert calls(ncu=True) == [
-      ["ncu", *profile, "--kinds", "ffi dcp", "--sizes", "4096"],
-      ["py", "breakdown.py", "--kinds", "ffi dcp", *timed],
-      ["ncu", *profile, "--kinds", "ffi,ffi dcp,ffi fused", "--sizes", "4096"],
-      ["py", "breakdown.py", "--kinds", "ffi,ffi dcp,ffi fused", *timed]]
+  for cache, more in (("all", {}), ("none", {"ABLATE_NCU_CACHE": "none"})):
+    assert calls(ncu=True, **more) == [
+        ["ncu", *profile(cache), "--kinds", "ffi dcp", "--sizes", "4096"],
+        ["py", "breakdown.py", "--kinds", "ffi dcp", *timed],
+        ["ncu", *profile(cache), "--kinds", "ffi,ffi dcp,ffi fused", "--sizes", "4096"],
+        ["py", "breakdown.py", "--kinds", "ffi,ffi dcp,ffi fused", *timed]], cache
   assert calls(ncu=False) == [["py", "breakdown.py", "--kinds", "ffi dcp", "--sizes", "4096", "--iters", "15"],
                               ["py", "loopback_kernels.py", "--kernels", "ffi", "--iters", "15"]]
 
