@@ -141,8 +141,8 @@ for variant in "${VARIANTS[@]}"; do
   elif [[ "$file" == ffi* ]]; then
     timer=(breakdown.py --kinds "$kinds" --sizes "$SIZES" --iters 15) rows="^ +[0-9]+ (KiB|MiB)"
     if [ -n "${ABLATE_NCU:-}" ]; then  # each kernel's duration beside its wall time, steadier than the wall
-      (cd "$WORK/benchmarks" && ncu --clock-control none --cache-control "${ABLATE_NCU_CACHE:-all}" --graph-profiling node \
-        --metrics gpu__time_duration.sum \
+      (cd "$WORK/benchmarks" && ncu --clock-control none --cache-control "${ABLATE_NCU_CACHE:-all}" \
+        --graph-profiling node --metrics gpu__time_duration.sum \
         -k regex:'lamport|rmsnorm' --csv $PY breakdown.py --profile --kinds "$kinds" --sizes "$SIZES" \
         >"$WORK/kernels.csv" 2>"$WORK/ncu.log") || { tail -20 "$WORK/ncu.log"; echo "== $name: ncu failed"; exit 1; }
       timer+=(--kernels "$WORK/kernels.csv")

@@ -20,8 +20,8 @@ ncu flushes the caches before each kernel it profiles (its default
 `--cache-control all`): every line a kernel touches then comes from DRAM.
 In a chain of calls, as in the wall times, each kernel finds the previous
 one's lines in L2: `--cache-control none` times them so (benchmarks/
-RESULTS.md, 2026-12-07: 0.6-0.7 us of the FFI all_reduce kernel's
-duration at 4 and 64 KiB was the flush).
+RESULTS.md, thirty-fourth session: 0.58-0.67 us of the FFI all_reduce
+kernel's duration at 4 and 64 KiB was the flush).
 
 `--backends` adds the launch floor of a trivial kernel on each Pallas GPU
 backend (Triton, Mosaic GPU), the measure by which a move off the
