@@ -44,7 +44,9 @@ def test_per_op_us_warms_up_for_its_runs_and_seconds_then_takes_the_median_per_o
   begin = time.perf_counter()
   us = calibration.per_op_us(run, ops=4, iters=5, warmup=2, warmup_s=0.1)
   warm, timed = spans[:-5], spans[-5:]
-  assert len(warm) >= 2 and warm[-1][1] - begin >= 0.1, (len(warm), warm[-1][1] - begin)
+  # The warm-up ends when the loop finds warmup_s passed, just after its last run recorded its end:
+  # the first timed run is what must start at least warmup_s in.
+  assert len(warm) >= 2 and timed[0][0] - begin >= 0.1, (len(warm), timed[0][0] - begin)
   assert us == pytest.approx(np.median([end - start for start, end in timed]) / 4 * 1e6, rel=0.2), us
 
 
