@@ -373,6 +373,17 @@ def assert_residual_rmsnorm_matches(normed: np.ndarray, new_residual: np.ndarray
       assert np.array_equal(first, np.ascontiguousarray(got[r]).view(np.uint8)), f"{name}: rank {r} differs in bits"
 
 
+def check_residual_rmsnorm_case(mesh, rng: np.random.Generator, rows: int, hidden: int, dtype_name: str,
+                                eps: float = 1e-6) -> None:
+  """One all_reduce_residual_rmsnorm on ``mesh`` (axis "x") of fresh random
+  inputs, every rank's results against float64 (assert_residual_rmsnorm_matches)."""
+  shards, residual, weight = residual_rmsnorm_inputs(rng, mesh.devices.size, rows, hidden, dtype_name)
+  normed, new_residual = residual_rmsnorm_fn(mesh, eps)(jax.device_put(shards, NamedSharding(mesh, P("x"))),
+                                                        residual, weight)
+  assert_residual_rmsnorm_matches(np.asarray(normed), np.asarray(new_residual), shards, residual, weight, eps,
+                                  dtype_name)
+
+
 def independent_reductions(calls: int):
   """A shard_map body: ``calls`` all_reduces on one channel whose inputs do
   not depend on each other (x: [calls, elems], one row each), a quarter

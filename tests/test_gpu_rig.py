@@ -1,4 +1,4 @@
-"""The one-GPU rig: 2, 3, 4 and 8 jax.distributed processes that all take GPU 0
+"""The one-GPU rig: 2 to 8 jax.distributed processes that all take GPU 0
 form a mesh of distinct devices, and b12x runs between them over CUDA IPC on
 the one GPU, under MPS (conftest's ``gpu_rig``). The multi-process cases of
 tests/test_multiprocess.py, through the same worker modes, on CUDA at every
@@ -64,11 +64,13 @@ def test_the_fused_op_matches_float64_with_identical_bits(gpu_rig, n):
   check_fused_bits(gpu_rig("residual_rmsnorm", n, communicator={"poison_outputs": True}))
 
 
-def test_three_processes_run_the_ffi_lamport_kernels_of_four_sources_right(gpu_rig):
+@pytest.mark.parametrize("n", [3, 5, 6, 7])
+def test_worlds_below_the_unrolled_sources_run_the_ffi_lamport_kernels_right(gpu_rig, n):
   """A world that is not a power of two: every FFI Lamport kernel runs
-  unrolled to 4 sources, the fourth guarded by the world (docs/DESIGN.md,
-  "Lamport"); the same cases as on CPU (test_multiprocess.py)."""
-  check_every_op(lambda mode, *args, communicator=None: gpu_rig(mode, 3, *args, communicator=communicator))
+  unrolled to the next one (4 sources for 3 ranks, 8 for 5 to 7), the
+  sources past the world guarded by it (docs/DESIGN.md, "Lamport"); the
+  same cases as on CPU (test_multiprocess.py, 3 processes)."""
+  check_every_op(lambda mode, *args, communicator=None: gpu_rig(mode, n, *args, communicator=communicator))
 
 
 @pytest.mark.parametrize("graphs", ["on", "off"])

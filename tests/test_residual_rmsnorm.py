@@ -14,16 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import b12x_jax
 from conftest import run_worker
-from helpers import (DTYPES, assert_residual_rmsnorm_matches, fresh_communicator, residual_rmsnorm_fn,
-                     residual_rmsnorm_inputs)
-
-
-def run_case(mesh, rng, rows: int, hidden: int, dtype_name: str, eps: float = 1e-6):
-  shards, residual, weight = residual_rmsnorm_inputs(rng, mesh.devices.size, rows, hidden, dtype_name)
-  normed, new_residual = residual_rmsnorm_fn(mesh, eps)(jax.device_put(shards, NamedSharding(mesh, P("x"))),
-                                                        residual, weight)
-  assert_residual_rmsnorm_matches(np.asarray(normed), np.asarray(new_residual), shards, residual, weight, eps,
-                                  dtype_name)
+from helpers import DTYPES, check_residual_rmsnorm_case, fresh_communicator, residual_rmsnorm_fn
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -31,19 +22,26 @@ def run_case(mesh, rng, rows: int, hidden: int, dtype_name: str, eps: float = 1e
 @pytest.mark.parametrize("rows, hidden", [(1, 4096), (8, 1024), (64, 256), (3, 8192)])
 def test_fused_op_matches_float64_on_every_rank(cpu_mesh, n, dtype_name, rows, hidden):
   with fresh_communicator(poison_outputs=True) as comm, b12x_jax.channel("fused"):
-    run_case(cpu_mesh(n), np.random.default_rng(rows * hidden + n), rows, hidden, dtype_name)
+    check_residual_rmsnorm_case(cpu_mesh(n), np.random.default_rng(rows * hidden + n), rows, hidden, dtype_name)
     assert comm.decisions[-1].path == "b12x", comm.decisions[-1]
+
+
+@pytest.mark.parametrize("n", [3, 5, 6, 7, 8])
+def test_fused_op_matches_float64_on_three_and_five_to_eight_ranks(n):
+  # Rows the ranks' split leaves uneven, on emulated CPU devices in a worker (this process has 4).
+  result = run_worker("fused", "--devices", str(n), "--seed", str(n), hard_timeout=300)
+  assert result == {"checked": len(DTYPES) * 5, "paths": ["b12x"]}, result
 
 
 def test_rows_outside_the_lamport_window_take_the_unfused_path_with_the_same_result(cpu_mesh):
   rng = np.random.default_rng(5)
   with fresh_communicator(poison_outputs=True, lamport_bytes=64 * 1024) as comm, b12x_jax.channel("unfused"):
-    run_case(cpu_mesh(2), rng, 64, 4096, "bfloat16")  # 512 KiB: 8 KiB rows in 1 KiB cells
+    check_residual_rmsnorm_case(cpu_mesh(2), rng, 64, 4096, "bfloat16")  # 512 KiB: 8 KiB rows in 1 KiB cells
     decision = comm.decisions[-2]
     assert decision.op == "all_reduce_residual_rmsnorm" and decision.path == "unfused", decision
     assert "Lamport cells" in decision.reason and comm.decisions[-1].path == "b12x"  # the all_reduce inside
   with fresh_communicator(lamport_bytes=0) as comm, b12x_jax.channel("unfused"):
-    run_case(cpu_mesh(2), rng, 4, 512, "float32")
+    check_residual_rmsnorm_case(cpu_mesh(2), rng, 4, 512, "float32")
     assert comm.decisions[-2].path == "unfused" and "lamport_bytes=0" in comm.decisions[-2].reason
 
 
@@ -53,7 +51,7 @@ def test_the_lamport_window_is_clamped_to_the_capacity_in_one_place(cpu_mesh, ro
   # clamps the window, and the choice of the fused op reads that layout
   # (rows of 4096 bf16 are 8 KiB: 32 fit, 64 do not).
   with fresh_communicator(poison_outputs=True, capacity_bytes=256 * 1024) as comm, b12x_jax.channel("clamped"):
-    run_case(cpu_mesh(2), np.random.default_rng(rows), rows, 4096, "bfloat16")
+    check_residual_rmsnorm_case(cpu_mesh(2), np.random.default_rng(rows), rows, 4096, "bfloat16")
     fused = [d for d in comm.decisions if d.op == "all_reduce_residual_rmsnorm"]
     assert [d.path for d in fused] == [path] if path == "b12x" else fused[-1].path == "unfused", comm.decisions
 

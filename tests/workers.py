@@ -284,6 +284,29 @@ def protocols_mode(args) -> dict:
   return {"checked": checked}
 
 
+def fused_mode(args) -> dict:
+  """helpers.check_residual_rmsnorm_case on the first ``devices`` devices,
+  for every dtype and a few shapes (rows that the ranks' row split divides
+  and rows it does not), with poisoned outputs. Returns the cases checked
+  and the paths they took."""
+  import jax
+  import numpy as np
+  sys.path.insert(0, os.path.dirname(__file__))
+  from helpers import DTYPES, check_residual_rmsnorm_case, fresh_communicator
+
+  import b12x_jax
+  mesh = jax.make_mesh((args.devices,), ("x",), devices=jax.devices()[:args.devices])
+  rng = np.random.default_rng(args.seed)
+  checked = 0
+  with fresh_communicator(poison_outputs=True) as comm, b12x_jax.channel("fused"):
+    for dtype_name in DTYPES:
+      for rows, hidden in ((1, 4096), (8, 1024), (5, 2048), (7, 128), (64, 256)):
+        check_residual_rmsnorm_case(mesh, rng, rows, hidden, dtype_name)
+        checked += 1
+    paths = sorted({d.path for d in comm.decisions})
+  return {"checked": checked, "paths": paths}
+
+
 def race_mode(args) -> dict:
   """Two host threads dispatch the "target" and the "draft" executables
   ``runs`` times each, so the devices may queue them in different orders.
@@ -512,7 +535,7 @@ def wide_mode(args) -> dict:
 def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("mode", choices=["timeout", "graphs", "dcp", "torture", "cross", "race", "close_pending",
-                                      "mismatch", "protocols", "order", "exit_busy", "wide"])
+                                      "mismatch", "protocols", "fused", "order", "exit_busy", "wide"])
   parser.add_argument("--platform", default="cpu")
   parser.add_argument("--devices", type=int, default=2)
   parser.add_argument("--timeout", type=float, default=1.0)
@@ -531,7 +554,7 @@ def main() -> None:
   result = {"timeout": timeout_mode, "graphs": graphs_mode, "dcp": dcp_mode,
             "torture": torture_mode, "cross": cross_mode, "race": race_mode,
             "close_pending": close_pending_mode, "mismatch": mismatch_mode, "protocols": protocols_mode,
-            "order": order_mode, "exit_busy": exit_busy_mode, "wide": wide_mode}[args.mode](args)
+            "fused": fused_mode, "order": order_mode, "exit_busy": exit_busy_mode, "wide": wide_mode}[args.mode](args)
   print("RESULT " + json.dumps(result), flush=True)
 
 
