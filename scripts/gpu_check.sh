@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh [all|tests|bench|perf|rig|loopback]
 # (tests and bench are two halves that each fit the device's per-call limit;
 # perf is bench without the examples, the capture check and the multi-process benchmark;
-# rig runs the tests of 2, 3, 4 and 8 processes sharing GPU 0 under MPS, for one-GPU machines
+# rig runs the tests of 2 to 8 processes sharing GPU 0 under MPS, for one-GPU machines
 # (B12X_RIG_SELECT: a pytest -k expression; B12X_RIG_EXAMPLES=0: without the examples);
 # loopback runs the one-GPU Triton tests and the FFI-vs-Triton loopback benchmark)
 set -uo pipefail
@@ -40,7 +40,7 @@ timeout 240 $PY benchmarks/loopback_kernels.py 2>&1 | tee "$OUT/loopback_bench.l
 echo "== summary: triton loopback tests rc=$tests_rc"; exit $tests_rc
 fi
 if [ "$PART" = all ] || [ "$PART" = rig ]; then
-echo "== one-GPU rig: 2, 3, 4 and 8 processes on GPU 0 under MPS (pytest -m gpu_rig)"
+echo "== one-GPU rig: 2 to 8 processes on GPU 0 under MPS (pytest -m gpu_rig)"
 start=$(date +%s) B12X_RIG_BOUND_S=${B12X_RIG_BOUND_S:-330}
 # The test process keeps off the GPU (JAX_PLATFORMS=cpu): only the workers hold
 # contexts, as MPS clients. SIGINT at the bound lets pytest kill its workers and stop MPS.
