@@ -28,7 +28,8 @@ def test_fused_op_matches_float64_on_every_rank(cpu_mesh, n, dtype_name, rows, h
 
 @pytest.mark.parametrize("n", [3, 5, 6, 7, 8])
 def test_fused_op_matches_float64_on_three_and_five_to_eight_ranks(n):
-  # Rows the ranks' split leaves uneven, on emulated CPU devices in a worker (this process has 4).
+  # Worlds whose sum leaves sources of the loops to kMaxRanks unused, and the largest, on emulated CPU
+  # devices in a worker (this process has 4).
   result = run_worker("fused", "--devices", str(n), "--seed", str(n), hard_timeout=300)
   assert result == {"checked": len(DTYPES) * 5, "paths": ["b12x"]}, result
 

@@ -286,9 +286,9 @@ def protocols_mode(args) -> dict:
 
 def fused_mode(args) -> dict:
   """helpers.check_residual_rmsnorm_case on the first ``devices`` devices,
-  for every dtype and a few shapes (rows that the ranks' row split divides
-  and rows it does not), with poisoned outputs. Returns the cases checked
-  and the paths they took."""
+  for every dtype and a few shapes (one row, odd row counts, rows of 128 to
+  4096 elements), with poisoned outputs. Returns the cases checked and the
+  paths they took."""
   import jax
   import numpy as np
   sys.path.insert(0, os.path.dirname(__file__))
