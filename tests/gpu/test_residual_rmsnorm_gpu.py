@@ -9,8 +9,7 @@ import pytest
 
 import b12x_jax
 from conftest import requires_2_gpus, run_worker
-from helpers import DTYPES, fresh_communicator
-from test_residual_rmsnorm import run_case
+from helpers import DTYPES, check_residual_rmsnorm_case, fresh_communicator
 
 pytestmark = [pytest.mark.gpu, requires_2_gpus]
 N = 2
@@ -27,7 +26,7 @@ def test_fused_op_matches_float64_on_every_rank(dtype_name, rows, hidden):
   rng = np.random.default_rng(rows * hidden)
   with fresh_communicator(poison_outputs=True) as comm, b12x_jax.channel("fused"):
     for _ in range(3):  # fresh inputs each call, through all three Lamport buffers
-      run_case(_mesh(), rng, rows, hidden, dtype_name)
+      check_residual_rmsnorm_case(_mesh(), rng, rows, hidden, dtype_name)
     row_bytes = hidden * np.dtype(DTYPES[dtype_name]).itemsize
     fused = any(d.op == "all_reduce_residual_rmsnorm" and d.path == "b12x" for d in comm.decisions)
     assert fused == (-(-rows // 64) * row_bytes <= (1 << 20) // 64 and row_bytes % 16 == 0), comm.decisions[-1]
@@ -38,7 +37,7 @@ def test_fused_calls_with_changing_row_counts_share_the_lamport_buffers_right():
   rng = np.random.default_rng(11)
   with fresh_communicator(poison_outputs=True), b12x_jax.channel("mixed"):
     for i in range(60):
-      run_case(_mesh(), rng, 1 + i % 16, 4096, "bfloat16")
+      check_residual_rmsnorm_case(_mesh(), rng, 1 + i % 16, 4096, "bfloat16")
   b12x_jax.check_errors()
 
 
