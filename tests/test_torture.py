@@ -50,9 +50,9 @@ def test_torture_catches_one_wrong_element(cpu_mesh, monkeypatch, op):
   jax.effects_barrier()
 
 
-@pytest.mark.parametrize("n", [7, 8])
-def test_seven_and_eight_ranks_give_float64_results_too(n):
-  # The largest group a channel serves, and one that fills only part of the sources the loops run to
+@pytest.mark.parametrize("n", [5, 6, 7, 8])
+def test_five_to_eight_ranks_give_float64_results_too(n):
+  # The largest group a channel serves, and those that fill only part of the sources the loops run to
   # (kMaxRanks), on emulated CPU devices in a worker (this process has 4); the 8-GPU machine was not
   # available (issue 9).
   from conftest import run_worker
