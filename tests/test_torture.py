@@ -60,3 +60,4 @@ def test_five_to_eight_ranks_give_float64_results_too(n):
                       hard_timeout=300)
   print(f"TORTURE platform=cpu calls={result['calls']} runs={result['runs']} n={n} paths={result['paths']}")
   assert result["calls"] >= 200 and result["paths"].get("b12x", 0) > 0, result
+  assert result["ops"].get("AllReduce", 0) > 0 and result["ops"].get("DcpA2a", 0) > 0, result  # both ops at n
