@@ -108,6 +108,20 @@ def test_two_shot_meets_twice_per_call(cpu_mesh):
     assert comm.stats("two-shot", mesh.devices.flat[0])["epoch"] == 2
 
 
+def test_the_decision_names_the_lamport_exchange_within_its_window_whatever_the_algorithm(cpu_mesh):
+  # Communicator(algorithm=...) applies above the window (ffi/all_reduce.h plan_for): the reason says what ran.
+  mesh = cpu_mesh(2)
+  with fresh_communicator(algorithm="two_shot", lamport_bytes=4096) as comm, b12x_jax.channel("named-path"):
+    device = mesh.devices.flat[0]
+    for floats, reason, meetings in [(1024, "within the Lamport window", 1), (2048, "two_shot (Communicator", 2)]:
+      shards = random_shards(np.random.default_rng(floats), 2, floats, np.float32)
+      before = comm.stats("named-path", device)["epoch"] if floats > 1024 else 0
+      assert_sum_matches(_run(_per_rank(mesh), mesh, shards), shards, "float32")
+      decision = comm.decisions[-1]
+      assert decision.path == "b12x" and reason in decision.reason, (floats, decision)
+      assert comm.stats("named-path", device)["epoch"] - before == meetings, floats  # two-shot meets twice a call
+
+
 @pytest.mark.parametrize("lamport_bytes, algorithm", [(1 << 20, "auto"), (0, "one_shot"), (0, "two_shot")],
                          ids=["lamport", "one_shot", "two_shot"])
 def test_ranks_at_different_calls_on_one_channel_raise_a_clear_error(lamport_bytes, algorithm):

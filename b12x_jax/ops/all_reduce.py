@@ -226,13 +226,14 @@ def _algorithm(comm, nbytes: int, size: int) -> tuple[str, str, str | None]:
   """The kernel for ``nbytes`` over ``size`` ranks above the Lamport window
   ("one_shot", "two_shot" or "one_shot_pull"), why, and why psum would be
   faster (or None): the Communicator's setting, else the crossovers of
-  tuning.py. With several processes only the packaged table is used: every
+  tuning.py. Within the window the reason says Lamport, whatever the
+  setting. With several processes only the packaged table is used: every
   process must choose alike, and a per-user stored calibration may differ
   between them."""
+  if nbytes <= comm.lamport_window:  # whatever the setting: every handler plans Lamport here (ffi/all_reduce.h plan_for)
+    return "one_shot", "within the Lamport window (the Lamport exchange)", None
   if comm.algorithm != "auto":
     return comm.algorithm, f"{comm.algorithm} (Communicator(algorithm={comm.algorithm!r}))", None
-  if nbytes <= comm.lamport_window:
-    return "one_shot", "within the Lamport window (the Lamport exchange)", None
   crossover = tuning.crossover_for(jax.devices()[0].device_kind, size, stored=jax.process_count() == 1)
   if crossover.two_shot_from is not None and nbytes >= crossover.two_shot_from:
     algorithm, why = "two_shot", f"two_shot from {crossover.two_shot_from} bytes ({crossover.source})"
