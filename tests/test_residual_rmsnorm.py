@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import b12x_jax
 from conftest import run_worker
-from helpers import DTYPES, check_residual_rmsnorm_case, fresh_communicator, residual_rmsnorm_fn
+from helpers import (DTYPES, assert_residual_rmsnorm_matches, check_residual_rmsnorm_case, fresh_communicator,
+                     residual_rmsnorm_fn, residual_rmsnorm_inputs)
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -44,6 +45,24 @@ def test_rows_outside_the_lamport_window_take_the_unfused_path_with_the_same_res
   with fresh_communicator(lamport_bytes=0) as comm, b12x_jax.channel("unfused"):
     check_residual_rmsnorm_case(cpu_mesh(2), rng, 4, 512, "float32")
     assert comm.decisions[-2].path == "unfused" and "lamport_bytes=0" in comm.decisions[-2].reason
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+def test_the_unfused_path_rounds_the_new_residual_once_as_the_fused_op_does(cpu_mesh, dtype_name):
+  # The same inputs on both paths: the sum over ranks plus the residual, rounded once to 16 bits, is the same
+  # bits whichever path a call took (a sum rounded to 16 bits before the add differs in about a fifth).
+  mesh = cpu_mesh(2)
+  shards, residual, weight = residual_rmsnorm_inputs(np.random.default_rng(11), 2, 4, 512, dtype_name)
+  results = {}
+  for lamport_bytes, path in [(1 << 20, "b12x"), (0, "unfused")]:
+    with fresh_communicator(poison_outputs=True, lamport_bytes=lamport_bytes) as comm, b12x_jax.channel("paths"):
+      normed, new_residual = residual_rmsnorm_fn(mesh, 1e-6)(jax.device_put(shards, NamedSharding(mesh, P("x"))),
+                                                             residual, weight)
+      assert [d.path for d in comm.decisions if d.op == "all_reduce_residual_rmsnorm"] == [path], comm.decisions
+    assert_residual_rmsnorm_matches(np.asarray(normed), np.asarray(new_residual), shards, residual, weight, 1e-6,
+                                    dtype_name)
+    results[path] = np.asarray(new_residual)
+  assert np.array_equal(results["b12x"].view(np.uint16), results["unfused"].view(np.uint16))
 
 
 @pytest.mark.parametrize("rows, path", [(32, "b12x"), (64, "unfused")])

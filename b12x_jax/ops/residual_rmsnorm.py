@@ -83,8 +83,10 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
   Fused (one kernel on CUDA, the Lamport exchange of all_reduce) when the
   rows fit the channel's Lamport window (``Communicator(lamport_bytes=...)``,
   whole rows per block, at most 64 blocks or the GPU's SM count); otherwise
-  the same result from
-  ``all_reduce`` followed by the add and norm in jnp, with the reason in
+  the same math from
+  ``all_reduce`` of x in float32 followed by the add (rounded once, so the
+  new residual has the fused op's bits where the sum runs on b12x) and the
+  norm in jnp (its sum of squares in jnp's order), with the reason in
   ``get_communicator().decisions``. Under ``jax.vmap`` the batches are
   more leading rows: one call, fused or not by the rows of all batches
   (unfused where the weight is batched: a call takes one weight). Under
@@ -106,7 +108,7 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
   if not_concrete is not None or x.size == 0:  # no rows to plan: the unfused math, as psum and jnp give it
     if exchanges and not_concrete is not None:
       comm.outside_window(_OP, name, *not_concrete, fallback="unfused")
-    return _unfused(all_reduce(x, axis_name, channel=channel), residual, weight, eps)
+    return _unfused(lambda t: all_reduce(t, axis_name, channel=channel), x, residual, weight, eps)
   row_bytes = x.shape[-1] * x.dtype.itemsize
   rows = x.size // x.shape[-1]
   grid = channel_blocks(comm.max_blocks)
@@ -126,7 +128,7 @@ def all_reduce_residual_rmsnorm(x, residual, weight, axis_name: str, *, eps: flo
       return normed, new_residual
   elif exchanges:
     comm.record(Decision(_OP, name, "unfused", why_not))
-  return _unfused(all_reduce(x, axis_name, channel=channel), residual, weight, eps)
+  return _unfused(lambda t: all_reduce(t, axis_name, channel=channel), x, residual, weight, eps)
 
 
 def _static_eps(eps) -> float:
@@ -150,12 +152,16 @@ def _static_eps(eps) -> float:
   return value
 
 
-def _unfused(total, residual, weight, eps: float) -> tuple[jax.Array, jax.Array]:
-  """The same math after a separate all-reduce: add, round, norm."""
-  new_residual = (total.astype(jnp.float32) + residual.astype(jnp.float32)).astype(total.dtype)
+def _unfused(reduce, x, residual, weight, eps: float) -> tuple[jax.Array, jax.Array]:
+  """The fused op's math after a separate sum over the ranks (``reduce``:
+  all_reduce or psum) of ``x`` in float32: plus the residual, rounded once
+  to x's dtype, as the fused kernel rounds (a sum in x's dtype would round
+  twice, and a 16-bit new residual would differ from the fused op's by the
+  path a call took); then the norm of the rounded value."""
+  new_residual = (reduce(x.astype(jnp.float32)) + residual.astype(jnp.float32)).astype(x.dtype)
   r = new_residual.astype(jnp.float32)
   scale = jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + eps)
-  return (r * scale * weight.astype(jnp.float32)).astype(total.dtype), new_residual
+  return (r * scale * weight.astype(jnp.float32)).astype(x.dtype), new_residual
 
 
 # -- lowering ---------------------------------------------------------------------
@@ -171,7 +177,7 @@ def _abstract_eval(x, residual, weight, *, axis_name: str, channel: str, eps: fl
 
 def _psum_path(x, residual, weight, *, axis_name: str, eps: float, kernel: str = "ffi"):
   del kernel
-  return list(_unfused(jax.lax.psum(x, axis_name), residual, weight, eps))
+  return list(_unfused(lambda t: jax.lax.psum(t, axis_name), x, residual, weight, eps))
 
 
 # -- batching --------------------------------------------------------------------
@@ -193,7 +199,7 @@ def _batch(args, dims, *, axis_name: str, channel: str, eps: float, kernel: str)
                                        "the weight is batched (vmap): one fused call takes one weight"))
     weights = batching.bdim_at_front(weight, weight_dim, vmapped)
     per_batch = weights.reshape((vmapped,) + (1,) * (x.ndim - 2) + weights.shape[-1:])
-    results = _unfused(all_reduce(x, axis_name, channel=channel), residual, per_batch, eps)
+    results = _unfused(lambda t: all_reduce(t, axis_name, channel=channel), x, residual, per_batch, eps)
   return list(results), [0, 0]
 
 
