@@ -119,8 +119,9 @@ class Communicator(CallPolicy):
       the b12x protocol as a group of one whose peer is itself (its payload
       goes through channel memory by the same stores, polls, reduction and
       refill as a peer's: docs/DESIGN.md, "Loopback"), instead of the psum a
-      one-device axis takes otherwise. all_reduce and the fused op; dcp_a2a
-      over one device stays a local merge. No effect on larger axes.
+      one-device axis takes otherwise (dcp_a2a: instead of a local merge).
+      Every op: all_reduce, the fused op and dcp_a2a (a merge of one
+      source). No effect on larger axes.
 
   Channel memory is never freed before the process ends, by ``close()``
   and ``release()`` neither: compiled executables and CUDA graphs may
@@ -442,7 +443,9 @@ class Communicator(CallPolicy):
     waits for the executions this thread dispatched on it; then CUDA groups
     have their kernels on the device, and CPU groups wait for the calls
     queued on the progress thread, at most 2 * timeout_s + 1 s (each call
-    ends within one timeout), else raise CollectiveTimeoutError.
+    ends within one timeout; 2 * max(timeout_s, setup_timeout_s) + 1 s for
+    a group across processes, whose calls wait up to setup_timeout_s),
+    else raise CollectiveTimeoutError.
 
     The memory is never freed before the process ends (DESIGN C16): a cached
     executable or CUDA graph may still point at it. Preparing the same group

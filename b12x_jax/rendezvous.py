@@ -120,7 +120,7 @@ class Settings:
   timeout_s: float = dataclasses.field(metadata={"fix": _SAME_COMMUNICATOR.format("timeout_s")})
   poison_outputs: bool = dataclasses.field(metadata={"fix": _SAME_COMMUNICATOR.format("poison_outputs")})
   # Each process bakes its kernels' choice into the program they all lower:
-  # programs that differ hang XLA:GPU's sharded autotuning (DESIGN "Call order").
+  # programs that differ hang XLA:GPU's sharded autotuning (DESIGN "Triton kernels").
   kernels: str = dataclasses.field(metadata={"fix": _SAME_COMMUNICATOR.format("kernels")})
 
 

@@ -1208,7 +1208,7 @@ DROP_IN_PATHS = {"grad": "b12x", "jvp": "b12x", "vmap_all_reduce": "b12x", "vmap
 
 
 def drop_in_mode(args) -> dict:
-  """tests/test_drop_in.py's cases across processes (issue 15): grad and
+  """tests/test_drop_in.py's cases across processes (psum's drop-in): grad and
   jvp of all_reduce, vmap of all_reduce, dcp_a2a and the fused op (one call
   of the folded batches), a pytree of small leaves (packed calls), a tuple
   of axes and axis_index_groups (psum). Every result is checked against

@@ -1,4 +1,4 @@
-"""all_reduce where jax.lax.psum stood (issue 15): under jax.grad, jvp,
+"""all_reduce where jax.lax.psum stood (a drop-in for psum): under jax.grad, jvp,
 value_and_grad and checkpoint, under vmap (a batched call, and a vmap axis
 name), over a tuple of axes, with axis_index_groups, on pytrees. Each is
 compared with psum on the same fresh random inputs; where b12x cannot run a

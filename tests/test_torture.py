@@ -53,8 +53,7 @@ def test_torture_catches_one_wrong_element(cpu_mesh, monkeypatch, op):
 @pytest.mark.parametrize("n", [5, 6, 7, 8])
 def test_five_to_eight_ranks_give_float64_results_too(n):
   # The largest group a channel serves, and those that fill only part of the sources the loops run to
-  # (kMaxRanks), on emulated CPU devices in a worker (this process has 4); the 8-GPU machine was not
-  # available (issue 9).
+  # (kMaxRanks), on emulated CPU devices in a worker (this process has 4): no 8-GPU machine is lent.
   from conftest import run_worker
   result = run_worker("torture", "--devices", str(n), "--calls", "200", "--programs", "6", "--seed", str(SEED),
                       hard_timeout=300)
