@@ -13,7 +13,7 @@ import time
 import jax
 
 from b12x_jax import _b12x, _compat
-from b12x_jax.errors import ChannelError, CollectiveTimeoutError, TransportError
+from b12x_jax.errors import ChannelError, CollectiveTimeoutError, GroupUnreachableError, TransportError
 
 
 def ffi_api_mismatch(built: tuple[int, int], built_jaxlib: str, runtime: tuple[int, int] | None,
@@ -143,7 +143,7 @@ def _native_errors(what: str):
 def prepare(platform: str, channel: str, partition: str, ordinals: list[int], options) -> None:
   """Allocates ``channel`` for one group with ``options`` (channel_options).
   A CUDA group's peer access is probed first (once per group); a failed
-  probe raises TransportError."""
+  probe raises GroupUnreachableError."""
   with _native_errors(f"preparing channel {channel!r} on {platform} devices {ordinals}"):
     if platform == "cpu":
       _b12x.prepare_host(channel, partition, ordinals, options)
@@ -152,7 +152,7 @@ def prepare(platform: str, channel: str, partition: str, ordinals: list[int], op
       if group not in _probed:
         problem = _b12x.probe_peer_access(ordinals)
         if problem:
-          raise TransportError(f"peer access between GPUs {ordinals} does not work: {problem}")
+          raise GroupUnreachableError(f"peer access between GPUs {ordinals} does not work: {problem}")
         _probed.add(group)
       _b12x.prepare_cuda(channel, partition, ordinals, options)
     else:

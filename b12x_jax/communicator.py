@@ -34,7 +34,7 @@ import jax
 from b12x_jax import _compat, _native, rendezvous
 from b12x_jax.channels import channel as channel_scope
 from b12x_jax.channels import is_strict, validate_channel_name
-from b12x_jax.errors import B12xError, ChannelError, CollectiveTimeoutError, TransportError
+from b12x_jax.errors import B12xError, ChannelError, CollectiveTimeoutError, GroupUnreachableError, TransportError
 from b12x_jax.policy import (_ALGORITHMS, _KERNELS, _POLICIES, PACK_BYTES, POLICY_ENV, Algorithm, CallPolicy, Decision,
                              Kernels, Policy)
 
@@ -308,8 +308,10 @@ class Communicator(CallPolicy):
               f"channels=[{channel!r}]) before tracing")
         try:
           self._prepare_group(op, channel, partition, group)
-        except TransportError as e:  # remembered: the group is not probed again
+        except GroupUnreachableError as e:  # remembered: the group is not probed again, for any channel
           broken = self._broken[(platform, devices)] = str(e)
+        except TransportError as e:  # this channel's (its memory): its next lowering tries again, the others go on
+          return self._ineligible(op, channel, str(e), fallback)
       if broken is not None:
         return self._ineligible(op, channel, broken, fallback)
     return None

@@ -25,6 +25,14 @@ class TransportError(B12xError):
   """Peer memory could not be set up between the devices of a group."""
 
 
+class GroupUnreachableError(TransportError):
+  """The devices of a group cannot reach each other's memory at all (a
+  failed peer-access probe, a group across hosts): a property of the group,
+  which the Communicator remembers for every channel of it. Any other
+  TransportError (a channel's allocation, opening its memory) is that
+  channel's, met again by its next preparation."""
+
+
 class CollectiveTimeoutError(B12xError):
   """A peer did not arrive within the channel's timeout (DESIGN C8)."""
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from b12x_jax import _compat, _native
 from b12x_jax._version import __version__
-from b12x_jax.errors import B12xError, ChannelError, CollectiveTimeoutError, TransportError
+from b12x_jax.errors import B12xError, ChannelError, CollectiveTimeoutError, GroupUnreachableError, TransportError
 
 FRAME_MAGIC = b"B12X"
 FRAME_VERSION = 4
@@ -348,7 +348,8 @@ class Session:
       if kind:
         failures.append((p, kind, message))
     if failures:
-      error = {"ChannelError": ChannelError}.get(failures[0][1], TransportError)
+      error = {"ChannelError": ChannelError, "GroupUnreachableError": GroupUnreachableError}.get(failures[0][1],
+                                                                                                 TransportError)
       by_message: dict[str, list[int]] = {}  # a problem every process saw (a disagreement) is told once
       for p, _, message in failures:
         by_message.setdefault(message, []).append(p)
@@ -422,7 +423,7 @@ def prepare_shared(platform: str, channel: str, partition: str, group_key: str, 
     hosts = {f.process: f.host for f in (own, *peers.values())}
     if len(set(hosts.values())) > 1:
       where = ", ".join(f"process {p} on {h!r}" for p, h in sorted(hosts.items()))
-      raise TransportError(f"b12x_jax: channel {channel!r}: the device group spans hosts ({where}), and CUDA IPC "
+      raise GroupUnreachableError(f"b12x_jax: channel {channel!r}: the device group spans hosts ({where}), and CUDA IPC "
                            f"and shared memory reach only the devices of one host; use an axis whose devices "
                            f"sit on one host for b12x")
     for rank, peer in peers.items():

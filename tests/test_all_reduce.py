@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import b12x_jax
+from b12x_jax.errors import GroupUnreachableError
 from conftest import run_worker
 from helpers import (ALGORITHM_SIZES, DTYPES, assert_names_both_calls, assert_sum_matches, check_every_protocol,
                      fresh_communicator, random_shards)
@@ -279,7 +280,7 @@ def test_a_group_whose_transport_fails_lowers_to_psum_or_raises_under_strict(cpu
   from b12x_jax import _native
 
   def failing_prepare(platform, channel, partition, ordinals, options):
-    raise b12x_jax.TransportError(f"peer access between devices {ordinals} does not work: simulated")
+    raise GroupUnreachableError(f"peer access between devices {ordinals} does not work: simulated")
 
   comm = b12x_jax.get_communicator()
   monkeypatch.setattr(_native, "prepare", failing_prepare)
@@ -300,6 +301,33 @@ def test_a_group_whose_transport_fails_lowers_to_psum_or_raises_under_strict(cpu
         _per_rank(mesh)(jax.device_put(shards.reshape(-1), NamedSharding(mesh, P("x"))))
   finally:
     comm.policy = "auto"
+
+
+def test_a_channel_whose_memory_fails_falls_back_alone_and_is_prepared_again_later(cpu_mesh, monkeypatch):
+  # A failed allocation is the channel's, not its devices': the group's other channels keep b12x, and the
+  # channel's next lowering prepares it again (a failed probe, above, is remembered for the group).
+  from b12x_jax import _native
+
+  prepare = _native.prepare
+
+  def out_of_memory(platform, channel, partition, ordinals, options):
+    if channel == "no-memory":
+      raise b12x_jax.TransportError("b12x_jax: preparing channel 'no-memory' failed: out of memory (simulated)")
+    return prepare(platform, channel, partition, ordinals, options)
+
+  mesh = cpu_mesh(2)
+  shards = random_shards(np.random.default_rng(16), 2, 64, np.float32)
+  with fresh_communicator() as comm:
+    monkeypatch.setattr(_native, "prepare", out_of_memory)
+    for channel, path in [("has-memory", "b12x"), ("no-memory", "psum"), ("has-memory-too", "b12x")]:
+      with b12x_jax.channel(channel):
+        assert_sum_matches(_run(_per_rank(mesh), mesh, shards), shards, "float32")
+      assert (comm.decisions[-1].channel, comm.decisions[-1].path) == (channel, path), comm.decisions[-1]
+    assert "out of memory (simulated)" in comm.decisions[-2].reason
+    monkeypatch.setattr(_native, "prepare", prepare)
+    with b12x_jax.channel("no-memory"):
+      assert_sum_matches(_run(_per_rank(mesh), mesh, shards), shards, "float32")
+    assert (comm.decisions[-1].channel, comm.decisions[-1].path) == ("no-memory", "b12x"), comm.decisions[-1]
 
 
 def test_the_environment_switch_forces_the_psum_path(cpu_mesh, monkeypatch):
