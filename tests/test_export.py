@@ -180,6 +180,22 @@ def test_an_export_for_cuda_takes_the_ffi_kernel_where_triton_would_bake_in_addr
   assert "jax.export: an exported module must not carry this process's channel addresses" in comm.decisions[1].reason
 
 
+@pytest.mark.parametrize("platform", ["rocm", "tpu"])
+def test_an_export_for_a_platform_without_b12x_records_the_fallback_or_raises_under_strict(cpu_mesh, platform):
+  # Every op lowers its fallback there, and the decision says so: b12x has CPU and CUDA backends only.
+  mesh = cpu_mesh(N)
+  fn = jax.jit(jax.shard_map(lambda x: b12x_jax.all_reduce(x, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  spec = jax.ShapeDtypeStruct((N * ELEMS,), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+  with fresh_communicator() as comm, b12x_jax.channel("elsewhere"):
+    text = jax.export.export(fn, platforms=(platform,))(spec).mlir_module()
+    assert "b12x_all_reduce" not in text and "all_reduce" in text
+    assert comm.decisions[-1].path == "psum" and f"no b12x backend for platform '{platform}'" in \
+        comm.decisions[-1].reason, comm.decisions
+  with fresh_communicator(policy="strict"), b12x_jax.channel("elsewhere-strict"):
+    with pytest.raises(b12x_jax.IneligibleError, match=f"all_reduce: no b12x backend for platform '{platform}'"):
+      jax.export.export(fn, platforms=(platform,))(spec)
+
+
 # A module called with its devices at other mesh positions than it was
 # exported for (docs/DESIGN.md, "Placement"): its group attribute names the
 # peers of other positions. Seen on 9d8e8da: the sum over "y" instead of "x".

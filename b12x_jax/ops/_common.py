@@ -302,7 +302,9 @@ def collective_primitive(name: str, op: str, abstract_eval: Callable, fallback: 
   of its channel and axis: channels.py), an
   eager rule that says where the op runs, the b12x lowering on CPU and CUDA,
   and ``fallback`` (which takes the op's parameters but ``channel``) on every
-  other platform. The FFI target is named like the primitive."""
+  other platform (jax.export to ROCm or TPU), recorded as the
+  ``fallback_path``, an IneligibleError under policy "strict". The FFI
+  target is named like the primitive."""
   primitive = Primitive(name)
   primitive.multiple_results = multiple_results
 
@@ -314,14 +316,19 @@ def collective_primitive(name: str, op: str, abstract_eval: Callable, fallback: 
     raise ValueError(f"b12x_jax.{op} runs inside jax.shard_map under jax.jit, not eagerly "
                      f"(axis {axis_name!r}, channel {channel!r})")
 
-  def fallback_anywhere(*args, channel: str, site: int, **params):
-    del channel, site
-    return fallback(*args, **params)
+  fallback_rule = mlir.lower_fun(fallback, multiple_results=True)
+
+  def elsewhere(ctx, *args, channel: str, site: int, **params):
+    del site
+    platforms = "/".join(ctx.platforms or ctx.module_context.platforms)
+    get_communicator().outside_window(op, channel, f"no b12x backend for platform {platforms!r} (CPU and CUDA only)",
+                                      "Lower for 'cpu' or 'cuda'", fallback_path)
+    return fallback_rule(ctx, *args, **params)
 
   primitive.def_effectful_abstract_eval(effectful_abstract_eval)
   primitive.def_impl(eager)
   for platform in ("cpu", "cuda"):
     mlir.register_lowering(primitive, functools.partial(_lowering(op, name, fallback, fallback_path),
                                                         platform=platform), platform=platform)
-  mlir.register_lowering(primitive, mlir.lower_fun(fallback_anywhere, multiple_results=True))
+  mlir.register_lowering(primitive, elsewhere)
   return primitive
