@@ -59,11 +59,29 @@ def table_key(device_kind: str, world: int) -> str:
 def crossover_for(device_kind: str, world: int, *, stored: bool = True) -> Crossover:
   """The stored calibration for (device_kind, world) (unless ``stored`` is
   False), else the measured default, else one-shot everywhere (psum only
-  beyond capacity_bytes)."""
+  beyond capacity_bytes). A stored entry that is not what calibration
+  writes is passed over, and the source says why."""
+  default = DEFAULTS.get((device_kind, world), Crossover())
   calibrated = stored_table().get(table_key(device_kind, world)) if stored else None
-  if calibrated is not None:
-    return Crossover(calibrated.get("two_shot_from"), calibrated.get("psum_from"), f"calibrated ({cache_path()})")
-  return DEFAULTS.get((device_kind, world), Crossover())
+  if calibrated is None:
+    return default
+  problem = _entry_problem(calibrated)
+  if problem is not None:
+    return dataclasses.replace(default, source=f"{default.source}; passed over {cache_path()}'s entry "
+                               f"{table_key(device_kind, world)!r}: {problem} (run b12x_jax.calibration again, "
+                               "or delete the file)")
+  return Crossover(calibrated.get("two_shot_from"), calibrated.get("psum_from"), f"calibrated ({cache_path()})")
+
+
+def _entry_problem(entry) -> str | None:
+  """Why a stored entry is not one calibration writes, or None."""
+  if not isinstance(entry, dict):
+    return f"{entry!r} is not an object"
+  for name in ("two_shot_from", "psum_from"):
+    value = entry.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+      return f"{name} is {value!r}, not a byte count or null"
+  return None
 
 
 def stored_table() -> dict:
@@ -81,6 +99,7 @@ def _read_table(path: str, mtime_ns: int) -> dict:
   del mtime_ns  # part of the cache key only
   try:
     with open(path) as f:
-      return json.load(f)
+      table = json.load(f)
   except (OSError, ValueError):
     return {}
+  return table if isinstance(table, dict) else {}  # calibration writes an object
