@@ -194,7 +194,8 @@ def test_an_empty_leaf_beside_a_full_one_sums_right_and_has_psums_type(cpu_mesh)
   assert _compat.varying_axes(seen[-1][0]) == {"y"}, seen
 
 
-@pytest.mark.parametrize("x, kind", [("1", "str"), (object(), "object")])
+@pytest.mark.parametrize("x, kind", [("1", "str"), (object(), "object"), (np.array(["a"]), "ndarray of dtype <U1"),
+                                     (jax.ShapeDtypeStruct((2,), np.float32), "ShapeDtypeStruct of dtype float32")])
 def test_an_operand_that_is_not_an_array_is_a_clear_error(cpu_mesh, x, kind):
   mesh = cpu_mesh(2)
   fn = jax.jit(jax.shard_map(lambda y: y + b12x_jax.all_reduce(x, "x")[0], mesh=mesh, in_specs=P("x"),
@@ -203,7 +204,7 @@ def test_an_operand_that_is_not_an_array_is_a_clear_error(cpu_mesh, x, kind):
     fn(jax.device_put(np.ones(4, np.float32), NamedSharding(mesh, P("x"))))
   message = str(info.value)
   assert "b12x_jax.all_reduce" in message, message
-  assert re.search(rf"x must be an array|got {kind}|pytree", message), message
+  assert re.search(rf"x must be an array.*got {kind}", message), message
   _assert_still_usable(mesh)
 
 

@@ -21,6 +21,19 @@ from b12x_jax.communicator import get_communicator, partition_key
 from b12x_jax.errors import ChannelError
 
 
+def as_array(op: str, arg: str, x, what: str = "an array") -> jax.Array:
+  """``x`` as a jax array, or a TypeError naming the op and the argument:
+  ``x`` is not an array, or one of no number type (strings, objects, an
+  abstract ShapeDtypeStruct)."""
+  if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+    raise TypeError(f"b12x_jax.{op}: {arg} must be {what}, got {type(x).__name__}")
+  try:
+    return jnp.asarray(x)
+  except TypeError:
+    raise TypeError(f"b12x_jax.{op}: {arg} must be {what} of numbers, got {type(x).__name__} of dtype "
+                    f"{x.dtype}") from None
+
+
 def axis_size(axis_name: str, op: str) -> int:
   """The size of a bound mesh axis, or a ValueError that says how to bind it."""
   if not isinstance(axis_name, str):

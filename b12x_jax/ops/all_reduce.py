@@ -12,7 +12,7 @@ from b12x_jax.channels import resolve_channel, validate_channel_name
 from b12x_jax.communicator import get_communicator
 from b12x_jax.policy import PACK_BYTES
 from b12x_jax import kernels
-from b12x_jax.ops._common import (axis_size, call_site, collective_primitive, empty_result, register_batcher,
+from b12x_jax.ops._common import (as_array, axis_size, call_site, collective_primitive, empty_result, register_batcher,
                                   why_not_a_mesh_axis, why_not_concrete)
 
 _OP = "all_reduce"
@@ -29,9 +29,7 @@ def _check_operand(x) -> jax.Array:
   """A leaf of x as an array: arrays and Python or NumPy numbers, as psum takes."""
   if isinstance(x, (bool, int, float, complex, np.number)):
     return jnp.asarray(x)
-  if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-    raise TypeError(f"b12x_jax.{_OP}: x must be an array (or a pytree of arrays), got {type(x).__name__}")
-  return jnp.asarray(x)
+  return as_array(_OP, "x", x, "an array (or a pytree of arrays)")
 
 
 # -- public function -------------------------------------------------------------

@@ -12,7 +12,7 @@ from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import get_communicator
 from b12x_jax.policy import PACK_BYTES
 from b12x_jax import kernels
-from b12x_jax.ops._common import (MAX_BLOCKS, axis_size, batch_size, call_site, channel_blocks, collective_primitive,
+from b12x_jax.ops._common import (MAX_BLOCKS, as_array, axis_size, batch_size, call_site, channel_blocks, collective_primitive,
                                   differentiate_by_fallback, empty_result, register_batcher, why_not_a_mesh_axis,
                                   why_not_concrete)
 
@@ -27,10 +27,7 @@ _LSE_BYTES = 4
 
 
 def _check_operands(out, lse, lse_base: str, return_lse) -> tuple[jax.Array, jax.Array]:
-  for arg, x in (("out", out), ("lse", lse)):
-    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-      raise TypeError(f"b12x_jax.{_OP}: {arg} must be an array, got {type(x).__name__}")
-  out, lse = jnp.asarray(out), jnp.asarray(lse)
+  out, lse = as_array(_OP, "out", out), as_array(_OP, "lse", lse)
   if out.ndim != 3:
     raise ValueError(f"b12x_jax.{_OP}: out must be [B, H, D] (3 dims), got shape {out.shape}; "
                      f"reshape the partial attention output to batch x heads x head_dim")

@@ -15,7 +15,7 @@ from b12x_jax.channels import resolve_channel
 from b12x_jax.communicator import get_communicator
 from b12x_jax.policy import PACK_BYTES, Decision
 from b12x_jax import kernels
-from b12x_jax.ops._common import (axis_size, batch_size, call_site, channel_blocks, collective_primitive,
+from b12x_jax.ops._common import (as_array, axis_size, batch_size, call_site, channel_blocks, collective_primitive,
                                   differentiate_by_fallback, register_batcher, why_not_a_mesh_axis,
                                   why_not_concrete)
 from b12x_jax.ops.all_reduce import all_reduce
@@ -27,10 +27,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _check_operands(x, residual, weight) -> tuple[jax.Array, jax.Array, jax.Array]:
-  for arg, a in (("x", x), ("residual", residual), ("weight", weight)):
-    if not hasattr(a, "dtype") or not hasattr(a, "shape"):
-      raise TypeError(f"b12x_jax.{_OP}: {arg} must be an array, got {type(a).__name__}")
-  x, residual, weight = jnp.asarray(x), jnp.asarray(residual), jnp.asarray(weight)
+  x, residual, weight = (as_array(_OP, arg, a) for arg, a in (("x", x), ("residual", residual), ("weight", weight)))
   if x.ndim < 1:
     raise ValueError(f"b12x_jax.{_OP}: x must be [..., hidden] (at least 1 dim), got shape {x.shape}")
   if x.dtype.name not in _DTYPES:
