@@ -187,6 +187,7 @@ class Communicator(CallPolicy):
     # every process gives it, and the records of each kind exchanged for it (exchange_records).
     self._preparations: dict[tuple[str, str, str, tuple[int, ...]], str] = {}
     self._records: dict[tuple[str, str], dict[int, bytes]] = {}
+    self._exchanging: dict[tuple[str, str], threading.Lock] = {}  # (preparation, kind) -> its exchange's lock
     self._agreed: set[str] = set()  # channels whose settings every process agreed on (_agree)
     self._agreeing: dict[str, threading.Lock] = {}  # channel -> the lock its agreement is made under
     self._preparing: dict[tuple[str, str], threading.Lock] = {}  # (platform, channel) -> its preparations' lock
@@ -377,9 +378,17 @@ class Communicator(CallPolicy):
       preparation = self._preparations.get((platform, channel, partition, ordinals))
       if preparation is None:  # one process holds the group
         return dict(local)
-      records = self._records.get((preparation, kind))
-      if records is None:  # cached first: a key is published once, even if publishing fails half way
-        records = self._records[(preparation, kind)] = dict(local)
+      exchanging = self._exchanging.setdefault((preparation, kind), threading.Lock())
+    # The wait for peers holds this exchange's lock only: a thread lowering
+    # another channel goes on, as the other processes' threads may need it to
+    # publish what this one waits for (as _prepare_group's locks).
+    with exchanging:
+      with self._lock:
+        records = self._records.get((preparation, kind))
+        publish = records is None
+        if publish:  # cached first: a key is published once, even if publishing fails half way
+          records = self._records[(preparation, kind)] = dict(local)
+      if publish:
         rendezvous.publish_records(preparation, kind, local)
       missing = [rank for rank, ordinal in enumerate(ordinals) if ordinal < 0 and rank not in records]
       records.update(rendezvous.fetch_records(preparation, kind, missing, self.setup_timeout_s))
@@ -482,6 +491,7 @@ class Communicator(CallPolicy):
         for key in [k for k in self._preparations if k[:2] == (platform, name)]:
           preparation = self._preparations.pop(key)
           self._records = {k: r for k, r in self._records.items() if k[0] != preparation}
+          self._exchanging = {k: lock for k, lock in self._exchanging.items() if k[0] != preparation}
         processes = self._shared.pop((platform, name), None)
         if processes is None:
           _native.release(platform, channel, groups)

@@ -270,3 +270,41 @@ def test_a_second_communicator_preparing_a_channel_the_first_holds_names_the_cau
                                                     r"b12x_jax\.get_communicator\(\), or close\(\) the other one"):
       other.prepare(mesh, "x", channels=["held"])
     other.close()
+
+
+def test_a_wait_for_peers_records_leaves_other_channels_free_to_prepare(cpu_mesh, monkeypatch):
+  # exchange_records waits up to setup_timeout_s for other processes' records (a Triton kernel's address
+  # table). Meanwhile this process's other threads go on preparing channels: a process held up there
+  # would keep its peers waiting for what it would publish next, each until the timeout.
+  import threading
+
+  from b12x_jax import _compat, communicator, rendezvous
+
+  entered, go_on = threading.Event(), threading.Event()
+
+  def slow_fetch(preparation, kind, missing, timeout_s):
+    entered.set()
+    assert go_on.wait(30)
+    return {1: b"peer"}
+
+  monkeypatch.setattr(rendezvous, "fetch_records", slow_fetch)
+  monkeypatch.setattr(rendezvous, "publish_records", lambda *args: None)
+  mesh = cpu_mesh(2)
+  group = tuple(mesh.devices.flat)
+  partition = communicator.partition_key([group])
+  with fresh_communicator() as comm:
+    comm._preparations[(_compat.platform_of(group), "waiting", partition, communicator._ordinals(group))] = "prep"
+    exchanged, prepared = [], []
+    waiter = threading.Thread(target=lambda: exchanged.append(
+        comm.exchange_records("waiting", partition, group, "row", {0: b"own"})))
+    waiter.start()
+    assert entered.wait(30)
+    other = threading.Thread(target=lambda: prepared.append(comm.prepare(mesh, "x", channels=["meanwhile"])))
+    other.start()
+    other.join(20)
+    finished_first = not other.is_alive()
+    go_on.set()
+    waiter.join(30)
+    other.join(30)
+    assert finished_first and "meanwhile" in comm.prepared_channels()
+    assert exchanged == [{0: b"own", 1: b"peer"}]
