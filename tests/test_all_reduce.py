@@ -40,11 +40,11 @@ def test_all_reduce_matches_float64_reference(cpu_mesh, n, dtype_name, nbytes):
   mesh = cpu_mesh(n)
   fn = _per_rank(mesh)
   rng = np.random.default_rng([n, nbytes])
-  with b12x_jax.channel(f"values{n}"):  # a device serves a channel in one group only
+  with fresh_communicator(poison_outputs=True) as comm, b12x_jax.channel(f"values{n}"):
     for _ in range(2):  # fresh inputs each call, both staging slots
       shards = random_shards(rng, n, nbytes // np.dtype(dtype).itemsize, dtype)
       assert_sum_matches(_run(fn, mesh, shards), shards, dtype_name, roundings=1 if nbytes <= CAPACITY else n)
-  decision = b12x_jax.get_communicator().decisions[-1]
+  decision = comm.decisions[-1]
   assert decision.path == ("b12x" if nbytes <= CAPACITY else "psum"), decision
 
 
@@ -123,8 +123,9 @@ def test_the_decision_names_the_lamport_exchange_within_its_window_whatever_the_
       assert comm.stats("named-path", device)["epoch"] - before == meetings, floats  # two-shot meets twice a call
 
 
-@pytest.mark.parametrize("lamport_bytes, algorithm", [(1 << 20, "auto"), (0, "one_shot"), (0, "two_shot")],
-                         ids=["lamport", "one_shot", "two_shot"])
+@pytest.mark.parametrize("lamport_bytes, algorithm", [(1 << 20, "auto"), (0, "one_shot"), (0, "two_shot"),
+                                                     (0, "one_shot_pull")],
+                         ids=["lamport", "one_shot", "two_shot", "pull"])
 def test_ranks_at_different_calls_on_one_channel_raise_a_clear_error(lamport_bytes, algorithm):
   # Rank 0 reduces 64 floats and rank 1 128 on one channel: the call tag (docs/DESIGN.md) stops both with
   # an error naming both calls, never a sum of mixed data, never a hang.

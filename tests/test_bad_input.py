@@ -225,7 +225,9 @@ def test_numbers_and_pytrees_of_them_sum_as_psum_sums_them(cpu_mesh, x):
   mesh = cpu_mesh(2)
   def body(y):
     ours, theirs = b12x_jax.all_reduce(x, "x"), jax.lax.psum(x, "x")
-    return y + sum(jnp.sum(a - b) for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)))
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+    # |a - b| per leaf: a signed sum would let two wrong leaves cancel
+    return y + sum(jnp.sum(jnp.abs(a - b)) for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)))
   fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
   with b12x_jax.channel(_channel(mesh)):
     np.testing.assert_array_equal(np.asarray(fn(jax.device_put(np.ones(4, np.float32),

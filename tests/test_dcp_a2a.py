@@ -53,14 +53,14 @@ def test_merge_matches_float64_attention_over_all_kv(cpu_mesh, n, dtype_name, ls
   mesh = cpu_mesh(n)
   fn = _per_rank(mesh, return_lse=True, lse_base=lse_base)
   rng = np.random.default_rng([n, len(dtype_name), len(lse_base)])
-  with b12x_jax.channel(f"dcp{n}"):  # a device serves a channel in one group only
+  with fresh_communicator(poison_outputs=True), b12x_jax.channel(f"dcp{n}"):
     for _ in range(3):  # fresh inputs each call, both staging slots
       outs, lses, want, want_lse = attention_shards(rng, n, 3, 4 * n, 16, DTYPES[dtype_name],
                                                     base2=lse_base == "2")
       got, got_lse = _run(fn, mesh, outs, lses)
       assert got.dtype == outs.dtype and got_lse.dtype == np.float32
       assert_merge_matches(got, got_lse, outs, want, want_lse, dtype_name)
-  assert _decision().path == "b12x", _decision()
+    assert _decision().path == "b12x", _decision()
 
 
 def test_poisoned_outputs_are_fully_overwritten(cpu_mesh):
@@ -89,7 +89,8 @@ def test_empty_shards_have_weight_zero_and_their_nan_payload_never_leaks(cpu_mes
   outs, lses, want, want_lse = attention_shards(rng, n, 2, heads, 16, jnp.bfloat16, empty=((0, 0, 0), (0, 1, n)),
                                                 all_empty=((1, 1),))
   assert np.isnan(outs[0, 0, 0]).all() and np.isneginf(lses[:, 1, 1]).all()
-  with b12x_jax.channel(f"empty{n}"):
+  # Poisoned: a row the merge never writes reads NaN, not the 0 it should hold.
+  with fresh_communicator(poison_outputs=True), b12x_jax.channel(f"empty{n}"):
     got, got_lse = _run(fn, mesh, outs, lses)
   assert_merge_matches(got, got_lse, outs, want, want_lse, "bfloat16")
   assert (got[0, 1, 1] == 0).all() and np.isneginf(got_lse[0, 1, 1])

@@ -134,13 +134,16 @@ def test_a_tuple_of_axes_and_axis_index_groups_match_psum(cpu_mesh):
 
 def test_a_pytree_matches_psum(cpu_mesh):
   mesh = cpu_mesh(2)
-  rng = np.random.default_rng(4)
-  x = _sharded(mesh, rng.standard_normal(2 * 64).astype(np.float32))
-  with fresh_communicator(), b12x_jax.channel("tree"):
-    ours, theirs = _both(mesh, lambda r, v: r({"a": v, "b": (v * 2, v.astype(jnp.bfloat16))}, "x"), x,
-                         out_specs=P())
-    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
-      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2)
+  shards = np.random.default_rng(4).standard_normal((2, 64)).astype(np.float32)
+  with fresh_communicator(poison_outputs=True) as comm, b12x_jax.channel("tree"):
+    ours, theirs = _both(mesh, lambda r, v: r({"a": v, "b": (v * 2, v.astype(jnp.bfloat16))}, "x"),
+                         _sharded(mesh, shards.reshape(-1)), out_specs=P())
+    assert [d.path for d in comm.decisions if d.channel == "tree"] == ["b12x", "b12x"], comm.decisions  # a pack each
+  # Each leaf against float64, as a call of its own would give it; psum's within its roundings.
+  for got, want in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype)
+  for leaf, leaf_shards in zip(jax.tree.leaves(ours), (shards, 2 * shards, shards.astype(jnp.bfloat16))):
+    assert_sum_matches(np.asarray(leaf)[None], leaf_shards, np.dtype(leaf.dtype).name)
 
 
 # Leaves of a pytree: (shape, dtype) per rank. Under a Lamport window of 4096 bytes the float32

@@ -5,24 +5,26 @@ Marked gpu; skipped below 2 GPUs."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 
 from conftest import requires_2_gpus
-from test_multiprocess import check_dcp
+from test_multiprocess import check_dcp, dcp_options
 
 pytestmark = [pytest.mark.gpu, requires_2_gpus]
 
 
 def test_all_reduce_across_gpu_processes_matches_float64_with_identical_bits(multiprocess):
-  results = multiprocess("all_reduce", platform="gpu", hard_timeout=300)
+  results = multiprocess("all_reduce", 2, "--configs", json.dumps([{"poison_outputs": True}]), platform="gpu",
+                         hard_timeout=300)
   assert [r["rank"] for r in results] == [0, 1] and results[0]["hashes"] == results[1]["hashes"]
   assert [r["epochs"] for r in results] == [[8], [8]]
 
 
 def test_dcp_a2a_across_gpu_processes_matches_full_attention(multiprocess):
-  results = multiprocess("dcp", platform="gpu", hard_timeout=300)
+  results = multiprocess("dcp", 2, "--communicator", dcp_options("lamport"), platform="gpu", hard_timeout=300)
   check_dcp(results, wrap=False, protocol="lamport")
 
 

@@ -154,14 +154,17 @@ def test_close_with_calls_still_queued_on_gpus_waits_for_every_one_of_them():
   assert result["right"] == 200 and result["failed"] == 0 and result["prepared"] == [], result
 
 
-@pytest.mark.parametrize("lamport_bytes, algorithm", [(1 << 20, "auto"), (0, "one_shot"), (0, "two_shot")],
-                         ids=["lamport", "one_shot", "two_shot"])
+@pytest.mark.parametrize("lamport_bytes, algorithm", [(1 << 20, "auto"), (0, "one_shot"), (0, "two_shot"),
+                                                     (0, "one_shot_pull")],
+                         ids=["lamport", "one_shot", "two_shot", "pull"])
 def test_ranks_at_different_calls_on_one_channel_leave_nan_and_name_both_calls(lamport_bytes, algorithm):
   result = run_worker("mismatch", "--platform", "gpu", "--timeout", "5.0", "--lamport-bytes", str(lamport_bytes),
                       "--algorithm", algorithm, hard_timeout=120)
   assert result["finite"] is False, result  # the kernels' outputs are NaN, never a sum of mixed data
   assert result["seconds"] < 5, result
-  assert_names_both_calls(result["messages"], "lamport" if lamport_bytes else algorithm)
+  how = "lamport" if lamport_bytes else algorithm  # rank 0 at an all_reduce of 64 floats, rank 1 at one of 128
+  assert_names_both_calls(result["messages"], {0: rf"all_reduce of 256 bytes \(float32, {how}, grid \d+\)",
+                                               1: rf"all_reduce of 512 bytes \(float32, {how}, grid \d+\)"})
 
 
 @pytest.mark.parametrize("algorithm", ["two_shot", "one_shot_pull"])
