@@ -674,3 +674,45 @@ def test_grad_of_a_vmapped_fused_op_matches_its_jnp_equivalent(cpu_mesh):
     assert [d.path for d in comm.decisions if d.op == "all_reduce_residual_rmsnorm"][-1] == "b12x"
   assert np.abs(grads[1]).max() > 0
   np.testing.assert_allclose(grads[0], grads[1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("lse_base", ["e", "2"])
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_dcp_a2a_gradients_match_the_merge_derived_by_hand_in_float64(cpu_mesh, lse_base, return_lse):
+  # Not the fallback's jnp derivative, which the b12x path borrows: with w_s = base**(lse_s - m) and W = sum_s w_s,
+  # d merged / d out_s = w_s / W, d merged / d lse_s = k w_s / W (out_s - merged) (k = ln 2 for base 2, else 1),
+  # d merged_lse / d lse_s = w_s / W. The loss sums every rank's: sum(merged**2) + sum(c * merged_lse).
+  n, batch, heads, dim = 2, 2, 4, 16
+  mesh = cpu_mesh(n)
+  rng = np.random.default_rng(21 + len(lse_base) + return_lse)
+  outs = rng.standard_normal((n, batch, heads, dim)).astype(np.float32).astype(jnp.bfloat16)  # [source, B, H, D]
+  lses = (2 * rng.standard_normal((n, batch, heads))).astype(np.float32)
+  c = rng.standard_normal((n, batch, heads // n)).astype(np.float32)  # per destination rank
+
+  def loss(o, l, cr):
+    merged = b12x_jax.dcp_a2a(o, l, "x", return_lse=return_lse, lse_base=lse_base)
+    if not return_lse:
+      return jnp.sum(merged.astype(jnp.float32) ** 2)
+    return jnp.sum(merged[0].astype(jnp.float32) ** 2) + jnp.sum(cr * merged[1])
+
+  grad = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1)), mesh=mesh, in_specs=(P("x"), P("x"), P("x")),
+                               out_specs=(P("x"), P("x")), check_vma=False))
+  with fresh_communicator(poison_outputs=True) as comm, b12x_jax.channel("dcp-grad"):
+    got_out, got_lse = (np.asarray(g, np.float64).reshape(n, batch, heads, -1)
+                        for g in grad(_sharded(mesh, outs.reshape(n * batch, heads, dim)),
+                                      _sharded(mesh, lses.reshape(n * batch, heads)),
+                                      _sharded(mesh, c.reshape(n * batch, heads // n))))
+    assert any(d.op == "dcp_a2a" and d.path == "b12x" for d in comm.decisions), comm.decisions
+  o, lse = outs.astype(np.float64), lses.astype(np.float64)
+  k = np.log(2.0) if lse_base == "2" else 1.0
+  w = np.exp(k * (lse - lse.max(axis=0)))
+  share = w / w.sum(axis=0)  # [source, B, H]
+  merged = (share[..., None] * o).sum(axis=0)  # [B, H, D]: head h is merged on rank h // (heads // n)
+  cot = 2 * merged.astype(jnp.bfloat16).astype(np.float64)  # d loss / d merged, at the rounded output
+  want_out = share[..., None] * cot[None]
+  want_lse = k * share * ((o - merged[None]) * cot[None]).sum(axis=-1)
+  if return_lse:
+    want_lse = want_lse + share * c.transpose(1, 0, 2).reshape(batch, heads)[None]
+  scale = np.abs(want_out).max()
+  np.testing.assert_allclose(got_out[..., :dim], want_out, atol=2e-2 * scale)
+  np.testing.assert_allclose(got_lse[..., 0], want_lse, atol=2e-2 * np.abs(want_lse).max())
