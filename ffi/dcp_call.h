@@ -26,6 +26,9 @@ inline std::string dcp_call_shape(const xla::ffi::AnyBuffer& out, const xla::ffi
       lse.element_type() != ffi::DataType::F32) {
     return op + "out must be [B, H, D] and lse float32 [B, H]";
   }
+  if (dims[0] <= 0 || dims[1] <= 0 || dims[2] <= 0) {  // the kernels divide by a row's packs
+    return op + "out [B, H, D] must have B, H and D above 0";
+  }
   if (dims[1] % v.world != 0) {
     return op + "H=" + std::to_string(dims[1]) + " is not a multiple of the " + std::to_string(v.world) + " ranks";
   }
@@ -43,6 +46,22 @@ inline std::string dcp_call_shape(const xla::ffi::AnyBuffer& out, const xla::ffi
   }
   shape = DcpShape{static_cast<int>(dims[0]), static_cast<int>(dims[1]), v.world,
                    static_cast<int>(row_bytes / kPackBytes), base2};
+  return {};
+}
+
+// What is wrong with a call's results (empty: nothing): the merged out is
+// [B, H/N, D] in out's dtype, the merged lse (where asked) float32 [B, H/N].
+// A call built by hand could hand smaller ones, and a merge would write past them.
+inline std::string dcp_results_problem(const xla::ffi::AnyBuffer& out, const xla::ffi::AnyBuffer& y,
+                                       const xla::ffi::AnyBuffer* merged_lse, const DcpShape& s) {
+  const size_t rows = static_cast<size_t>(s.rows());
+  if (y.element_type() != out.element_type() || y.size_bytes() != rows * s.row_bytes()) {
+    return "b12x_jax.dcp_a2a: the merged out must be [B, H/N, D] in out's dtype";
+  }
+  if (merged_lse != nullptr &&
+      (merged_lse->element_type() != xla::ffi::DataType::F32 || merged_lse->element_count() != rows)) {
+    return "b12x_jax.dcp_a2a: the merged lse must be float32 [B, H/N]";
+  }
   return {};
 }
 

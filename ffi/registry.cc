@@ -212,14 +212,13 @@ size_t Registry::release(Platform platform, std::string_view channel,
     }
     return false;
   };
-  std::vector<ChannelGroup*> releasing;
+  std::vector<std::unique_ptr<ChannelGroup>> releasing;
   {
     std::unique_lock lock(mutex_);
     std::vector<std::unique_ptr<ChannelGroup>> kept;
     for (auto& group : groups_) {
       if (group->platform() == platform && group->channel() == channel && listed(*group)) {
-        releasing.push_back(group.get());
-        released_.push_back(std::move(group));
+        releasing.push_back(std::move(group));
       } else {
         kept.push_back(std::move(group));
       }
@@ -227,17 +226,23 @@ size_t Registry::release(Platform platform, std::string_view channel,
     groups_ = std::move(kept);
   }
   // Outside the lock: waiting for queued work must not keep handlers of
-  // other channels from finding theirs.
+  // other channels from finding theirs. Nor in released_ yet: revive could
+  // take a group there and write its new generation before this 0.
   std::string busy;
-  for (ChannelGroup* group : releasing) {
+  for (const auto& group : releasing) {
     if (!group->wait_idle()) {
       busy += (busy.empty() ? "" : "\n") + busy_message(*group);
     } else {
       group->write_generation(0);  // an executable lowered before stops at its first call
     }
   }
+  const size_t count = releasing.size();
+  {
+    std::unique_lock lock(mutex_);
+    for (auto& group : releasing) released_.push_back(std::move(group));
+  }
   if (!busy.empty()) throw std::runtime_error(busy);
-  return releasing.size();
+  return count;
 }
 
 std::vector<const ChannelGroup*> Registry::groups() const {
@@ -388,14 +393,18 @@ std::string timeout_message(const ChannelGroup& group, int rank) {
     // XLA:CPU runs the executions of one process's devices on a few threads:
     // with several queued, a peer's can wait behind a blocked one (README, Limits).
     bool cpu_devices = group.platform() == Platform::kHost && one_process;
+    // The bound the wait had (base_view's first_timeout_ns for a first call),
+    // and the setting that raises it: setup_timeout_s only where it is the larger.
+    const ChannelOptions& options = group.options();
+    const bool setup_bound = record.first_call && !one_process && options.setup_timeout_s > options.timeout_s;
     std::snprintf(text, sizeof(text),
                   "b12x_jax: channel '%s' rank %d timed out after %.3g s at epoch %u waiting for "
                   "rank %d, which did not arrive%s. The channel is poisoned: release it "
                   "(Communicator.release) and prepare it again; raise %s if the peer is only slow%s.",
                   group.channel().c_str(), record.rank,
-                  record.first_call ? group.options().setup_timeout_s : group.options().timeout_s, record.epoch,
+                  setup_bound ? options.setup_timeout_s : options.timeout_s, record.epoch,
                   record.peer, record.first_call ? " at the channel's first call" : "",
-                  record.first_call && !one_process ? "setup_timeout_s" : "timeout_s",
+                  setup_bound ? "setup_timeout_s" : "timeout_s",
                   cpu_devices ? ", and on CPU devices block on each execution's results before the next "
                                 "(XLA:CPU's few threads can leave a peer's execution queued behind this one)"
                               : "");

@@ -35,7 +35,8 @@ inline std::string rows_call_shape(const xla::ffi::AnyBuffer& x, const xla::ffi:
   }
   const size_t hidden = weight.element_count();
   const size_t row_bytes = hidden * xla::ffi::ByteWidth(x.element_type());
-  if (hidden == 0 || x.element_count() == 0 || x.element_count() % hidden != 0 ||
+  const auto x_dims = x.dimensions();
+  if (hidden == 0 || x.element_count() == 0 || x_dims.size() == 0 || static_cast<size_t>(x_dims.back()) != hidden ||
       residual.element_count() != x.element_count()) {
     return op + "x and residual must be [..., hidden] with weight [hidden], at least one row";
   }

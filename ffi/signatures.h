@@ -15,6 +15,13 @@
 
 namespace b12x {
 
+// Whether a result is the size and dtype of the operand it is written from:
+// a custom call built by hand (not by the Python layer) could hand a smaller
+// one, and a kernel would write past it.
+inline bool like(const xla::ffi::AnyBuffer& operand, const xla::ffi::AnyBuffer& result) {
+  return result.element_type() == operand.element_type() && result.size_bytes() == operand.size_bytes();
+}
+
 // The context and operands every b12x call starts with: the device, then
 // the channel's order token (DESIGN C15).
 template <class Binding>

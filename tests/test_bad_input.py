@@ -869,3 +869,64 @@ def test_set_communicator_rejects_a_non_communicator_and_one_that_would_orphan_c
     _assert_names(str(info.value), "set_communicator", r"still holds prepared channels \['bad-input2'\]",
                   fix=r"call its close\(\) first")
     _assert_still_usable(cpu_mesh(2))
+
+
+def _hand_built_call(mesh, target: str, operands: list, results: list, **attributes):
+  """The b12x custom call ``target`` on every device of ``mesh`` (axis "x"), built by hand as no op of the
+  Python layer builds it: ``operands`` (per-device NumPy arrays, the same on every device) in, ``results``
+  (ShapeDtypeStructs) declared, after the channel's token. Returns the jitted call."""
+  from jax._src import core
+  from jax._src.lib.mlir.dialects import hlo
+  from jax.interpreters import mlir
+
+  from b12x_jax.communicator import partition_key
+
+  primitive = jax.extend.core.Primitive(f"hand_built_{target}")
+  primitive.multiple_results = True
+  primitive.def_abstract_eval(lambda *avals: [core.ShapedArray(r.shape, r.dtype) for r in results])
+  rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
+
+  def lower(ctx, *args):
+    token = core.abstract_token
+    ctx = ctx.replace(avals_in=(token, *ctx.avals_in), avals_out=(token, *ctx.avals_out))
+    _, *outs = rule(ctx, hlo.create_token(), *args, channel_id=_channel(mesh), group=partition_key([mesh.devices.flat]),
+                    site=np.int32(7), **attributes)
+    return outs
+
+  mlir.register_lowering(primitive, lower)
+  body = lambda *args: tuple(r[None] for r in primitive.bind(*(a[0] for a in args)))  # noqa: E731
+  specs = (P("x"),) * len(operands)
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P("x"),) * len(results), check_vma=False))
+  return lambda: fn(*[jax.device_put(np.stack([a] * mesh.size), NamedSharding(mesh, P("x"))) for a in operands])
+
+
+@pytest.mark.parametrize("case", ["all_reduce result", "fused rows", "fused result", "dcp result", "dcp lse result"])
+def test_a_hand_built_call_whose_shapes_disagree_is_refused_by_the_handler(cpu_mesh, case):
+  # Only a custom call built by hand reaches the handlers so: they refuse it rather than write past a result or
+  # normalise rows of another width.
+  mesh = cpu_mesh(2)
+  b12x_jax.get_communicator().prepare(mesh, "x", channels=[_channel(mesh)])
+  x, w = np.ones((2, 8), np.float32), np.ones(8, np.float32)
+  out, lse = np.ones((1, 2, 8), jnp.bfloat16), np.zeros((1, 2), np.float32)
+  f32, bf16 = jax.ShapeDtypeStruct, lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+  call, message = {
+      "all_reduce result": (lambda: _hand_built_call(mesh, "b12x_all_reduce", [x], [f32((2, 4), np.float32)],
+                                                     algorithm=np.int32(0)),
+                            "all_reduce: the result must have x's shape and dtype"),
+      "fused rows": (lambda: _hand_built_call(mesh, "b12x_residual_rmsnorm", [x, x, np.ones(4, np.float32)],
+                                              [f32((2, 8), np.float32)] * 2, eps=np.float32(1e-6)),
+                     r"x and residual must be \[..., hidden\] with weight \[hidden\]"),
+      "fused result": (lambda: _hand_built_call(mesh, "b12x_residual_rmsnorm", [x, x, w],
+                                                [f32((2, 8), np.float32), f32((1, 8), np.float32)], eps=np.float32(1e-6)),
+                       "both results must have x's shape and dtype"),
+      "dcp result": (lambda: _hand_built_call(mesh, "b12x_dcp_a2a", [out, lse], [bf16((1, 1, 4))], base2=False,
+                                              return_lse=False),
+                     r"the merged out must be \[B, H/N, D\]"),
+      "dcp lse result": (lambda: _hand_built_call(mesh, "b12x_dcp_a2a", [out, lse],
+                                                  [bf16((1, 1, 8)), f32((2,), np.float32)], base2=False,
+                                                  return_lse=True),
+                         r"the merged lse must be float32 \[B, H/N\]"),
+  }[case]
+  with pytest.raises(Exception, match=message):
+    jax.block_until_ready(call()())
+  _assert_still_usable(mesh)

@@ -140,6 +140,8 @@ ffi::Future AllReduceHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, std::op
         "(a multiple of 16 up to " + std::to_string(handle.view().capacity_bytes) + ")"));
   } else if (!supported(x.element_type())) {
     promise.SetError(ffi::Error::InvalidArgument("b12x_jax.all_reduce: dtype must be float32, bfloat16 or float16"));
+  } else if (!like(x, *y)) {
+    promise.SetError(ffi::Error::InvalidArgument("b12x_jax.all_reduce: the result must have x's shape and dtype"));
   } else if (algorithm < 0 || static_cast<uint32_t>(algorithm) > kLastRequestable) {
     promise.SetError(ffi::Error::InvalidArgument("b12x_jax.all_reduce: unknown algorithm " + std::to_string(algorithm)));
   } else {
@@ -173,6 +175,9 @@ ffi::Future ResidualRmsnormHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, f
   } else if (!problem.empty() || !supported(x.element_type())) {
     promise.SetError(ffi::Error::InvalidArgument(
         problem.empty() ? "b12x_jax.all_reduce_residual_rmsnorm: dtype must be float32, bfloat16 or float16" : problem));
+  } else if (!like(x, *normed) || !like(x, *residual_out)) {
+    promise.SetError(ffi::Error::InvalidArgument(
+        "b12x_jax.all_reduce_residual_rmsnorm: both results must have x's shape and dtype"));
   } else if (plan.grid == 0) {
     promise.SetError(ffi::Error::InvalidArgument(rows_capacity_message(s, handle.view().lamport_layout)));
   } else {

@@ -139,19 +139,20 @@ class LamportDcpCall final : public LamportHostCall {
 
 // Empty when the call can run; else why not. Fills `shape`, its `plan` and `out_lse`.
 std::string check_call(const RankHandle& handle, const ffi::AnyBuffer& x, const ffi::AnyBuffer& lse,
-                       const ffi::RemainingRets& rets, bool base2, bool return_lse, DcpShape& shape,
-                       DcpPlan& plan, float*& out_lse) {
+                       const ffi::AnyBuffer& y, const ffi::RemainingRets& rets, bool base2, bool return_lse,
+                       DcpShape& shape, DcpPlan& plan, float*& out_lse) {
   const ChannelView& v = handle.view();
   std::string problem = dcp_call_shape(x, lse, rets.size(), return_lse, v, base2, shape);
   if (!problem.empty()) return problem;
   plan = plan_dcp_call(shape, v, 1);
   if (plan.grid == 0) return dcp_capacity_message(shape, v.layout);
-  if (return_lse) {
-    auto lse_out = rets.get<ffi::AnyBuffer>(0);
-    if (!lse_out.has_value()) return "b12x_jax.dcp_a2a: the merged lse result is not a buffer";
-    out_lse = static_cast<float*>((*lse_out)->untyped_data());
-    if (handle.group->options().poison_outputs) std::memset(out_lse, 0xFF, (*lse_out)->size_bytes());
-  }
+  if (!return_lse) return dcp_results_problem(x, y, nullptr, shape);
+  auto lse_out = rets.get<ffi::AnyBuffer>(0);
+  if (!lse_out.has_value()) return "b12x_jax.dcp_a2a: the merged lse result is not a buffer";
+  problem = dcp_results_problem(x, y, &**lse_out, shape);
+  if (!problem.empty()) return problem;
+  out_lse = static_cast<float*>((*lse_out)->untyped_data());
+  if (handle.group->options().poison_outputs) std::memset(out_lse, 0xFF, (*lse_out)->size_bytes());
   return {};
 }
 
@@ -166,7 +167,7 @@ ffi::Future DcpA2aHost(int32_t ordinal, ffi::Token, ffi::AnyBuffer x, ffi::AnyBu
   DcpShape s{};
   DcpPlan plan{};
   float* out_lse = nullptr;
-  const std::string problem = handle ? check_call(handle, x, lse, rets, base2, return_lse, s, plan, out_lse)
+  const std::string problem = handle ? check_call(handle, x, lse, *y, rets, base2, return_lse, s, plan, out_lse)
                                      : unprepared_message("dcp_a2a", channel_id, ordinal);
   if (!problem.empty()) {
     promise.SetError(ffi::Error::InvalidArgument(problem));

@@ -116,6 +116,7 @@ ffi::Error AllReduceCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::
                                        " bytes is outside the channel's window (a multiple of 16 up to " +
                                        std::to_string(v.capacity_bytes) + ")");
   }
+  if (!like(x, *y)) return ffi::Error::InvalidArgument("b12x_jax.all_reduce: the result must have x's shape and dtype");
   auto* out = static_cast<Pack*>(y->untyped_data());
   if (handle.group->options().poison_outputs) cudaMemsetAsync(out, 0xFF, bytes, stream);  // NaN everywhere
   if (algorithm < 0 || static_cast<uint32_t>(algorithm) > kLastRequestable) {

@@ -124,6 +124,9 @@ ffi::Error ResidualRmsnormCuda(cudaStream_t stream, int32_t ordinal, ffi::Token,
   const RowsPlan plan = plan_rows(s, v.lamport_layout);
   if (plan.grid == 0) return ffi::Error::InvalidArgument(rows_capacity_message(s, v.lamport_layout));
   const size_t bytes = x.size_bytes();
+  if (!like(x, *normed) || !like(x, *residual_out)) {
+    return ffi::Error::InvalidArgument(op + "both results must have x's shape and dtype");
+  }
   auto* out = static_cast<Pack*>(normed->untyped_data());
   auto* res_out = static_cast<Pack*>(residual_out->untyped_data());
   if (handle.group->options().poison_outputs) {  // NaN everywhere: an element the kernel misses shows up
