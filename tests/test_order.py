@@ -31,6 +31,15 @@ def test_independent_calls_on_one_channel_run_in_program_order_on_every_rank(ran
   assert result["wrong"] == 0, result
 
 
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot", "one_shot_pull"])
+def test_independent_calls_run_in_program_order_on_the_barrier_protocols_too(algorithm):
+  # No Lamport window: every call stages, meets and reduces (two-shot: meets twice).
+  result = run_worker("order", "--devices", "2", "--calls", "16", "--runs", "20", "--elems", "4096",
+                      "--lamport-bytes", "0", "--algorithm", algorithm, hard_timeout=300)
+  assert result["results"] == 20 * 16 * 2, result
+  assert result["wrong"] == 0, result
+
+
 def _calls(text: str) -> list[tuple[str, str, str]]:
   """(channel, token in, token out) of every b12x custom call in ``text``,
   seen through the optimization barriers the CUDA lowering puts around each

@@ -431,7 +431,8 @@ def close_pending_mode(args) -> dict:
 def order_mode(args) -> dict:
   """``calls`` all_reduces on one channel whose inputs do not depend on each
   other (helpers.independent_reductions), in one jitted shard_map over
-  ``devices`` ranks, run ``runs`` times on fresh integer inputs: a call
+  ``devices`` ranks (on the protocol of ``lamport_bytes`` and ``algorithm``,
+  outputs poisoned), run ``runs`` times on fresh integer inputs: a call
   paired with another call's data (DESIGN C15) shows up as a wrong value.
   Returns how many results were wrong."""
   import jax
@@ -443,6 +444,8 @@ def order_mode(args) -> dict:
   sys.path.insert(0, os.path.dirname(__file__))
   from helpers import independent_reductions, integer_shards
   n = args.devices
+  b12x_jax.set_communicator(b12x_jax.Communicator(lamport_bytes=args.lamport_bytes, algorithm=args.algorithm,
+                                                  poison_outputs=True))
   mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
   fn = jax.jit(jax.shard_map(independent_reductions(args.calls), mesh=mesh, in_specs=P(None, "x"),
                              out_specs=P(None, "x"), check_vma=False))
