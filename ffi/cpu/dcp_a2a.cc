@@ -146,13 +146,13 @@ std::string check_call(const RankHandle& handle, const ffi::AnyBuffer& x, const 
   if (!problem.empty()) return problem;
   plan = plan_dcp_call(shape, v, 1);
   if (plan.grid == 0) return dcp_capacity_message(shape, v.layout);
-  if (!return_lse) return dcp_results_problem(x, y, nullptr, shape);
-  auto lse_out = rets.get<ffi::AnyBuffer>(0);
-  if (!lse_out.has_value()) return "b12x_jax.dcp_a2a: the merged lse result is not a buffer";
-  problem = dcp_results_problem(x, y, &**lse_out, shape);
-  if (!problem.empty()) return problem;
-  out_lse = static_cast<float*>((*lse_out)->untyped_data());
-  if (handle.group->options().poison_outputs) std::memset(out_lse, 0xFF, (*lse_out)->size_bytes());
+  auto lse_out = rets.get<ffi::AnyBuffer>(0);  // holds the buffer merged_lse points to; read where return_lse
+  if (return_lse && !lse_out.has_value()) return "b12x_jax.dcp_a2a: the merged lse result is not a buffer";
+  const ffi::AnyBuffer* merged_lse = return_lse ? &**lse_out : nullptr;
+  problem = dcp_results_problem(x, y, merged_lse, shape);
+  if (!problem.empty() || merged_lse == nullptr) return problem;
+  out_lse = static_cast<float*>(merged_lse->untyped_data());
+  if (handle.group->options().poison_outputs) std::memset(out_lse, 0xFF, merged_lse->size_bytes());
   return {};
 }
 

@@ -266,15 +266,12 @@ ffi::Error DcpA2aCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::Any
   if (!problem.empty()) return ffi::Error::InvalidArgument(problem);
   const DcpPlan plan = plan_dcp_call(s, v, want_grid(s));
   if (plan.grid == 0) return ffi::Error::InvalidArgument(dcp_capacity_message(s, v.layout));
-  float* out_lse = nullptr;
-  std::string results = dcp_results_problem(x, *y, nullptr, s);
-  if (return_lse) {
-    auto lse_out = rets.get<ffi::AnyBuffer>(0);
-    if (!lse_out.has_value()) return lse_out.error();
-    results = dcp_results_problem(x, *y, &**lse_out, s);
-    out_lse = static_cast<float*>((*lse_out)->untyped_data());
-  }
+  auto lse_out = rets.get<ffi::AnyBuffer>(0);  // holds the buffer merged_lse points to; read where return_lse
+  if (return_lse && !lse_out.has_value()) return lse_out.error();
+  const ffi::AnyBuffer* merged_lse = return_lse ? &**lse_out : nullptr;
+  const std::string results = dcp_results_problem(x, *y, merged_lse, s);
   if (!results.empty()) return ffi::Error::InvalidArgument(results);
+  float* out_lse = merged_lse == nullptr ? nullptr : static_cast<float*>(merged_lse->untyped_data());
   const auto* in = static_cast<const Pack*>(x.untyped_data());
   const auto* in_lse = static_cast<const float*>(lse.untyped_data());
   auto* out = static_cast<Pack*>(y->untyped_data());
