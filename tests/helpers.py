@@ -384,28 +384,83 @@ def check_residual_rmsnorm_case(mesh, rng: np.random.Generator, rows: int, hidde
                                   dtype_name)
 
 
-def independent_reductions(calls: int):
-  """A shard_map body: ``calls`` all_reduces on one channel whose inputs do
-  not depend on each other (x: [calls, elems], one row each), a quarter
-  straight, a quarter in a scan body, a quarter in a while_loop body and a
-  quarter in the taken branch of a cond (DESIGN C15: program order inside
-  control flow too)."""
+# The ops independent_calls runs, each on one row of ``elems`` float32 (a function of the row and the
+# axis size ``n``, returning a row of the same size), and what each must return (independent_wants).
+INDEPENDENT_OPS = ("all_reduce", "dcp_a2a", "residual_rmsnorm")
+DCP_ROW = (2, 64)  # independent dcp_a2a: a row is out [2, elems // 128, 64] (float16: exact), lse out[..., 0] / 100
+FUSED_RESIDUAL = 7.0  # independent residual_rmsnorm: the residual every rank adds (exact in float32)
+
+
+def _independent_op(op: str, n: int):
+  """One row's call of ``op`` (INDEPENDENT_OPS) over axis "x" of ``n`` ranks."""
   import jax.numpy as jnp
 
   import b12x_jax
-  quarter = calls // 4
+  if op == "all_reduce":
+    return lambda r: b12x_jax.all_reduce(r, "x")
+  if op == "residual_rmsnorm":  # the new residual: the exact sum plus the residual
+    def fused(r):
+      return b12x_jax.all_reduce_residual_rmsnorm(r[None], jnp.full_like(r[None], FUSED_RESIDUAL),
+                                                  jnp.ones_like(r), "x")[1][0]
+    return fused
+  batch, dim = DCP_ROW
 
-  def reduce_each(rows):
-    return jnp.stack([b12x_jax.all_reduce(r, "x") for r in rows])
+  def merge(r):  # this rank's head shard, flat, then zeros to the row's size
+    out = r.reshape(batch, -1, dim)
+    merged = b12x_jax.dcp_a2a(out.astype(jnp.float16), out[..., 0] / 100, "x").reshape(-1).astype(r.dtype)
+    return jnp.concatenate([merged, jnp.zeros(r.size - merged.size, r.dtype)])
+  return merge
+
+
+def independent_calls(calls: int, op: str = "all_reduce", n: int = 2):
+  """A shard_map body: ``calls`` calls of ``op`` (INDEPENDENT_OPS) on one
+  channel over axis "x" of ``n`` ranks whose inputs do not depend on each
+  other (x: [calls, elems], one row each), a quarter straight, a quarter in
+  a scan body, a quarter in a while_loop body and a quarter in the taken
+  branch of a cond (DESIGN C15: program order inside control flow too)."""
+  import jax.numpy as jnp
+  quarter = calls // 4
+  call = _independent_op(op, n)
+
+  def each(rows):
+    return jnp.stack([call(r) for r in rows])
 
   def body(x):
-    straight = reduce_each(x[:quarter])
-    scanned = jax.lax.scan(lambda c, xs: (c, reduce_each(xs)), 0, x[None, quarter:2 * quarter])[1][0]
-    looped = jax.lax.fori_loop(0, 1, lambda i, v: reduce_each(v), x[2 * quarter:3 * quarter])
-    taken = jax.lax.cond(x[0, 0] > -1e9, reduce_each, lambda v: v * 0, x[3 * quarter:])
+    straight = each(x[:quarter])
+    scanned = jax.lax.scan(lambda c, xs: (c, each(xs)), 0, x[None, quarter:2 * quarter])[1][0]
+    looped = jax.lax.fori_loop(0, 1, lambda i, v: each(v), x[2 * quarter:3 * quarter])
+    taken = jax.lax.cond(x[0, 0] > -1e9, each, lambda v: v * 0, x[3 * quarter:])
     return jnp.concatenate([straight, scanned, looped, taken])
 
   return body
+
+
+def independent_wrong(op: str, got: np.ndarray, shards: np.ndarray, ranks: list[int] | None = None) -> int:
+  """How many of independent_calls' results are wrong: ``got`` [calls,
+  len(ranks), elems] holds the rows of ``ranks`` (default every rank) of
+  every call, ``shards`` the integer inputs [calls, n, elems]. all_reduce
+  and the fused op's new residual are exact; a dcp_a2a merge must be
+  within two float16 roundings of the float64 merge of its own call's
+  partials (one of another call's is off by tens or more)."""
+  calls, n, elems = shards.shape
+  ranks = list(range(n)) if ranks is None else ranks
+  total = shards.sum(axis=1, dtype=np.float64)[:, None]
+  if op == "all_reduce":
+    return int((got != total).any(axis=2).sum())
+  if op == "residual_rmsnorm":
+    return int((got != total + FUSED_RESIDUAL).any(axis=2).sum())
+  batch, dim = DCP_ROW
+  outs = shards.reshape(calls, n, batch, -1, dim).astype(np.float64)
+  lses = (shards.reshape(outs.shape)[..., 0] / np.float32(100)).astype(np.float64)  # as the call computes it
+  weights = np.exp(lses - lses.max(axis=1, keepdims=True))
+  merged = (weights[..., None] * outs).sum(axis=1) / weights.sum(axis=1)[..., None]  # [calls, B, H, D]
+  heads = merged.shape[2] // n
+  wrong = 0
+  for row, r in enumerate(ranks):
+    want = merged[:, :, r * heads:(r + 1) * heads].reshape(calls, -1)
+    err = np.abs(got[:, row, :want.shape[1]] - want).max(axis=1)
+    wrong += int((~(err <= 2 * 2.0**-11 * 1000)).sum())  # inputs within 1000
+  return wrong
 
 
 def integer_shards(rng: np.random.Generator, calls: int, n: int, elems: int) -> np.ndarray:

@@ -957,8 +957,8 @@ def reprepare_mode(args) -> dict:
 
 
 def independent_mode(args) -> dict:
-  """32 all_reduces on one channel whose inputs do not depend on each other
-  (helpers.independent_reductions), 20 runs on fresh integer inputs, across
+  """32 calls of ``--op`` on one channel whose inputs do not depend on each
+  other (helpers.independent_calls), 20 runs on fresh integer inputs, across
   processes (DESIGN C15). Returns how many of this process's results were
   wrong."""
   import jax
@@ -967,19 +967,19 @@ def independent_mode(args) -> dict:
   from jax.sharding import PartitionSpec as P
 
   import b12x_jax
-  from helpers import independent_reductions, integer_shards
+  from helpers import independent_calls, independent_wrong, integer_shards
   b12x_jax.set_communicator(_communicator(args))
-  mesh, me, calls, elems = _mesh(), jax.process_index(), 32, 4096
-  fn = jax.jit(jax.shard_map(independent_reductions(calls), mesh=mesh, in_specs=P(None, "x"), out_specs=P(None, "x"),
-                             check_vma=False))
+  mesh, me, calls, elems, n = _mesh(), jax.process_index(), 32, 4096, jax.device_count()
+  fn = jax.jit(jax.shard_map(independent_calls(calls, args.op, n), mesh=mesh, in_specs=P(None, "x"),
+                             out_specs=P(None, "x"), check_vma=False))
   rng = np.random.default_rng(6)  # the same shards in every process
   wrong, runs = 0, 20
   with b12x_jax.channel("independent"):
     for _ in range(runs):
-      shards = integer_shards(rng, calls, jax.device_count(), elems)
+      shards = integer_shards(rng, calls, n, elems)
       x = jax.make_array_from_process_local_data(NamedSharding(mesh, P(None, "x")), shards[:, me])
       got = np.asarray(fn(x).addressable_shards[0].data)
-      wrong += int((got != shards.sum(axis=1, dtype=np.float64)).any(axis=1).sum())
+      wrong += independent_wrong(args.op, got[:, None], shards, ranks=[me])
   b12x_jax.check_errors()
   return {"wrong": wrong, "results": runs * calls}
 

@@ -524,9 +524,10 @@ def test_a_compiled_executable_after_release_and_prepare_takes_the_new_preparati
     assert all(got == {"right": True, "messages": []} for got in r.values()), r
 
 
+@pytest.mark.parametrize("op", ["all_reduce", "dcp_a2a", "residual_rmsnorm"])
 @pytest.mark.parametrize("n", [2, 4])
-def test_independent_calls_on_one_channel_run_in_program_order_across_processes(multiprocess, n):
-  for r in multiprocess("independent", n, hard_timeout=240):
+def test_independent_calls_on_one_channel_run_in_program_order_across_processes(multiprocess, n, op):
+  for r in multiprocess("independent", n, "--op", op, hard_timeout=240):
     assert r == {"wrong": 0, "results": 20 * 32}, r
 
 

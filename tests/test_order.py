@@ -5,7 +5,9 @@
 independent custom calls in different orders on different devices, so
 without the channel's order token ranks pair one call with another's data
 (seen before the token: 148 of 640 results wrong at N = 2). Every result
-must be exact (integer inputs: the float32 sum is exact).
+must be exact (integer inputs: the float32 sum is exact); so must the fused
+op's new residual, and a dcp_a2a merge within float16 roundings
+(helpers.independent_wrong).
 """
 
 from __future__ import annotations
@@ -38,6 +40,17 @@ def test_independent_calls_run_in_program_order_on_the_barrier_protocols_too(alg
                       "--lamport-bytes", "0", "--algorithm", algorithm, hard_timeout=300)
   assert result["results"] == 20 * 16 * 2, result
   assert result["wrong"] == 0, result
+
+
+@pytest.mark.parametrize("lamport_bytes", [1 << 20, 0], ids=["lamport", "barrier"])
+@pytest.mark.parametrize("op", ["dcp_a2a", "residual_rmsnorm"])
+def test_independent_merges_and_fused_calls_run_in_program_order_too(op, lamport_bytes):
+  # Without the Lamport window dcp_a2a meets at its barrier and the fused op takes its unfused path.
+  result = run_worker("order", "--devices", "4", "--calls", "16", "--runs", "20", "--elems", "4096",
+                      "--lamport-bytes", str(lamport_bytes), "--op", op, hard_timeout=300)
+  assert result["results"] == 20 * 16 * 4, result
+  assert result["wrong"] == 0, result
+  assert result["paths"] == (["b12x", "unfused"] if op == "residual_rmsnorm" and not lamport_bytes else ["b12x"])
 
 
 def _calls(text: str) -> list[tuple[str, str, str]]:

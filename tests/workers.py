@@ -429,8 +429,8 @@ def close_pending_mode(args) -> dict:
 
 
 def order_mode(args) -> dict:
-  """``calls`` all_reduces on one channel whose inputs do not depend on each
-  other (helpers.independent_reductions), in one jitted shard_map over
+  """``calls`` calls of ``op`` on one channel whose inputs do not depend on
+  each other (helpers.independent_calls), in one jitted shard_map over
   ``devices`` ranks (on the protocol of ``lamport_bytes`` and ``algorithm``,
   outputs poisoned), run ``runs`` times on fresh integer inputs: a call
   paired with another call's data (DESIGN C15) shows up as a wrong value.
@@ -442,12 +442,12 @@ def order_mode(args) -> dict:
 
   import b12x_jax
   sys.path.insert(0, os.path.dirname(__file__))
-  from helpers import independent_reductions, integer_shards
+  from helpers import independent_calls, independent_wrong, integer_shards
   n = args.devices
   b12x_jax.set_communicator(b12x_jax.Communicator(lamport_bytes=args.lamport_bytes, algorithm=args.algorithm,
                                                   poison_outputs=True))
   mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
-  fn = jax.jit(jax.shard_map(independent_reductions(args.calls), mesh=mesh, in_specs=P(None, "x"),
+  fn = jax.jit(jax.shard_map(independent_calls(args.calls, args.op, n), mesh=mesh, in_specs=P(None, "x"),
                              out_specs=P(None, "x"), check_vma=False))
   rng = np.random.default_rng(args.seed)
   wrong = 0
@@ -455,9 +455,10 @@ def order_mode(args) -> dict:
     for _ in range(args.runs):
       shards = integer_shards(rng, args.calls, n, args.elems)
       x = jax.device_put(shards.reshape(args.calls, -1), NamedSharding(mesh, P(None, "x")))
-      got = np.asarray(fn(x)).reshape(args.calls, n, args.elems)
-      wrong += int((got != shards.sum(axis=1, dtype=np.float64)[:, None]).any(axis=2).sum())
-  return {"wrong": wrong, "results": args.runs * args.calls * n}
+      wrong += independent_wrong(args.op, np.asarray(fn(x)).reshape(args.calls, n, args.elems), shards)
+  b12x_jax.check_errors()
+  paths = sorted({d.path for d in b12x_jax.get_communicator().decisions})
+  return {"wrong": wrong, "results": args.runs * args.calls * n, "paths": paths}
 
 
 def exit_busy_mode(args) -> dict:
