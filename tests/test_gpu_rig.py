@@ -14,8 +14,8 @@ import shutil
 import pytest
 
 from mp_workers import FUSED_CASES
-from test_multiprocess import (ALL_REDUCE_CONFIGS, MISMATCHED_CALLS, check_all_reduce_configs, check_capacity_edge,
-                               check_dcp, check_drop_in, check_loops, check_misplaced, check_mismatch,
+from test_multiprocess import (ALL_REDUCE_CONFIGS, BARRIER_MISMATCHES, MISMATCHED_CALLS, check_all_reduce_configs,
+                               check_capacity_edge, check_dcp, check_drop_in, check_loops, check_misplaced, check_mismatch,
                                check_every_op, check_fused_bits, check_never_calls,
                                dcp_options)
 
@@ -189,6 +189,13 @@ def test_processes_at_different_calls_stop_with_the_tag_error_and_nan(gpu_rig, n
   results = gpu_rig("mismatch", n, "--timeout", "2", "--op", op, communicator={"kernels": kernels})
   check_mismatch(results, op)
   assert all(r["kernels"] == [kernels] for r in results), results
+
+
+@pytest.mark.parametrize("op, algorithm", BARRIER_MISMATCHES)
+def test_processes_at_different_calls_on_the_barrier_protocols_stop_with_the_tag_error_and_nan(gpu_rig, op, algorithm):
+  results = gpu_rig("mismatch", 2, "--timeout", "2", "--op", op,
+                    communicator={"lamport_bytes": 0, "algorithm": algorithm})
+  check_mismatch(results, op, algorithm)
 
 
 @pytest.mark.parametrize("poison", [False, True])

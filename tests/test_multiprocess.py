@@ -458,31 +458,58 @@ def check_never_calls(results: list[dict], timeout: str, platform: str) -> None:
   assert any(f"waiting for rank {victim}" in r["messages"][0] for r in callers), callers
 
 
-# What the mismatch mode's calls are (helpers.mismatch_program), by --op: call(variant) is the regex of
-# a call in the tag error, and (ours, odd) the variants of the others' call and of the odd one out's.
-_DCP_CALL = r"dcp_a2a of {bytes} bytes \(bfloat16, {heads} heads of 512 bytes, lse base {base}, lamport, grid \d+\)"
+# What the mismatch mode's calls are (helpers.mismatch_program), by --op: call(n, protocol) gives the
+# regexes of (the others' call, the odd one out's) in the tag error, on the protocol they take:
+# "lamport" within the Lamport window, else the algorithm (dcp_a2a's barrier does not name it).
+_DCP_CALL = r"dcp_a2a of {bytes} bytes \(bfloat16, {heads} heads of 512 bytes, lse base {base}, {protocol}grid \d+\)"
 _FUSED_CALL = r"all_reduce_residual_rmsnorm of {bytes} bytes \({dtype}, rows of {bytes} bytes, grid \d+\)"
-_SUM_CALL = r"all_reduce of {bytes} bytes \({dtype}, lamport, grid \d+\)"
+_SUM_CALL = r"all_reduce of {bytes} bytes \({dtype}, {protocol}, grid \d+\)"
+
+
+def _dcp(n: int, protocol: str, heads: tuple, bases: tuple) -> list[str]:
+  named = "lamport, " if protocol == "lamport" else ""
+  return [_DCP_CALL.format(bytes=8192 * n, heads=h * n, base=b, protocol=named) for h, b in zip(heads, bases)]
+
+
+def _sums(protocol: str, sizes: tuple, dtypes: tuple = ("float32", "float32")) -> list[str]:
+  return [_SUM_CALL.format(bytes=b, dtype=t, protocol=protocol) for b, t in zip(sizes, dtypes)]
+
+
+def _fused(protocol: str, sizes: tuple, dtypes: tuple, unfused_sizes: tuple) -> list[str]:
+  """Within the window the fused call; else its unfused path's all_reduce of x in float32."""
+  if protocol == "lamport":
+    return [_FUSED_CALL.format(bytes=b, dtype=t) for b, t in zip(sizes, dtypes)]
+  return _sums(protocol, unfused_sizes)
+
+
 MISMATCHED_CALLS = {
-    "dcp_a2a": lambda n: [_DCP_CALL.format(bytes=8192 * n, heads=heads, base="e") for heads in (16 * n, 8 * n)],
-    "residual_rmsnorm": lambda n: [_FUSED_CALL.format(bytes=b, dtype="float32") for b in (32768, 16384)],
-    "all_reduce": lambda n: [_SUM_CALL.format(bytes=b, dtype="float32") for b in (256, 512)],
-    "all_reduce_site": lambda n: [_SUM_CALL.format(bytes=256, dtype="float32")] * 2,
-    "all_reduce_dtype": lambda n: [_SUM_CALL.format(bytes=64, dtype=t) for t in ("bfloat16", "float32")],
-    "residual_rmsnorm_dtype": lambda n: [_FUSED_CALL.format(bytes=4096, dtype=t) for t in ("bfloat16", "float32")],
-    "dcp_a2a_lse_base": lambda n: [_DCP_CALL.format(bytes=8192 * n, heads=16 * n, base=b) for b in ("e", "2")],
+    "dcp_a2a": lambda n, protocol: _dcp(n, protocol, (16, 8), ("e", "e")),
+    "residual_rmsnorm": lambda n, protocol: _fused(protocol, (32768, 16384), ("float32",) * 2, (32768, 16384)),
+    "all_reduce": lambda n, protocol: _sums(protocol, (256, 512)),
+    "all_reduce_site": lambda n, protocol: _sums(protocol, (256, 256)),
+    "all_reduce_dtype": lambda n, protocol: _sums(protocol, (64, 64), ("bfloat16", "float32")),
+    "residual_rmsnorm_dtype": lambda n, protocol: _fused(protocol, (4096, 4096), ("bfloat16", "float32"),
+                                                         (8192, 4096)),  # a bfloat16 row sums as twice its bytes
+    "dcp_a2a_lse_base": lambda n, protocol: _dcp(n, protocol, (16, 16), ("e", "2")),
 }
+# The mismatches on the barrier protocols (lamport_bytes=0), as (op, algorithm): the all_reduce ones
+# under every algorithm; dcp_a2a's barrier and the fused op's unfused path, whose all_reduce is the
+# same protocol under each, under one.
+BARRIER_MISMATCHES = [(op, algorithm) for op in ("all_reduce", "all_reduce_dtype", "all_reduce_site")
+                      for algorithm in ("one_shot", "two_shot", "one_shot_pull")] + [
+                          (op, "one_shot") for op in ("dcp_a2a", "dcp_a2a_lse_base", "residual_rmsnorm",
+                                                      "residual_rmsnorm_dtype")]
 
 
-def check_mismatch(results: list[dict], op: str) -> None:
+def check_mismatch(results: list[dict], op: str, protocol: str = "lamport") -> None:
   """mismatch mode: every process stopped with an error and no number, in a
-  bounded time, naming a peer at the other call and both calls: those at
-  the others' call the odd one out (the last), the odd one a peer (rank 0
-  of two). A rank that waits for packs its peer never sends reports the
-  mismatch too, not a timeout. Calls that differ in their site only name
-  two sites."""
+  bounded time, naming a peer at the other call and both calls (on
+  ``protocol``): those at the others' call the odd one out (the last), the
+  odd one a peer (rank 0 of two). A rank that waits for packs its peer
+  never sends reports the mismatch too, not a timeout. Calls that differ in
+  their site only name two sites."""
   n = len(results)
-  ours, odd = MISMATCHED_CALLS[op](n)
+  ours, odd = MISMATCHED_CALLS[op](n, protocol)
   for rank, r in enumerate(results):
     assert r["messages"] and not r["finite"] and r["seconds"] < 30, r
     if rank < n - 1:
@@ -497,6 +524,13 @@ def check_mismatch(results: list[dict], op: str) -> None:
 @pytest.mark.parametrize("op", sorted(MISMATCHED_CALLS))
 def test_processes_at_different_calls_on_one_channel_stop_with_the_tag_error(multiprocess, op):
   check_mismatch(multiprocess("mismatch", 2, "--timeout", "5", "--op", op), op)
+
+
+@pytest.mark.parametrize("op, algorithm", BARRIER_MISMATCHES)
+def test_processes_at_different_calls_on_the_barrier_protocols_stop_with_the_tag_error(multiprocess, op, algorithm):
+  results = multiprocess("mismatch", 2, "--timeout", "5", "--op", op,
+                         "--communicator", json.dumps({"lamport_bytes": 0, "algorithm": algorithm}))
+  check_mismatch(results, op, algorithm)
 
 
 MISPLACED = (r"rank \d+ runs dcp_a2a of \d+ bytes \(bfloat16, [^)]*\) at site 0x[0-9a-f]{8}.* on another device "
