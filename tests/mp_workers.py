@@ -931,12 +931,56 @@ def killed_peer_mode(args) -> dict:
   os._exit(0)
 
 
+def _reprepare_check(op: str, mesh, rng):
+  """reprepare_mode's calls of ``op``, each checked against float64 here: a
+  function that runs them on fresh inputs and returns the hashes of this
+  process's outputs. all_reduce: 4096 and 2**19 float32 (within the Lamport
+  window and above it, on the Communicator's algorithm); dcp_a2a: bfloat16
+  [4, 8 heads per rank, 128] with the merged lse; the fused op: float32 8 x
+  1024 (fused within the window, else its unfused path)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import b12x_jax
+  from helpers import assert_residual_rmsnorm_matches, attention_shards, residual_rmsnorm_fn, residual_rmsnorm_inputs
+  n, me = jax.device_count(), jax.process_index()
+  digest = lambda *arrays: hashlib.sha256(b"".join(a.tobytes() for a in arrays)).hexdigest()  # noqa: E731
+  local = lambda spec, a: jax.make_array_from_process_local_data(NamedSharding(mesh, spec), a)  # noqa: E731
+  if op == "all_reduce":
+    ours = _reducer(mesh, b12x_jax.all_reduce)
+    return lambda: [_check(ours, mesh, rng, elems, "float32") for elems in (4096, 1 << 19)]
+  if op == "dcp_a2a":
+    merge = jax.jit(jax.shard_map(lambda o, l: b12x_jax.dcp_a2a(o, l, "x", return_lse=True), mesh=mesh,
+                                  in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x"))))
+
+    def check_merge():
+      outs, lses, want, want_lse = attention_shards(rng, n, 4, 8 * n, 128, jnp.bfloat16, empty=((0, 0, 0),))
+      got, got_lse = (np.asarray(r.addressable_shards[0].data) for r in merge(local(P("x"), outs[me]),
+                                                                              local(P("x"), lses[me])))
+      _assert_head_shard(got, got_lse, outs, want, want_lse, slice(me * 8, (me + 1) * 8))
+      return [digest(got, got_lse)]
+    return check_merge
+  fused = residual_rmsnorm_fn(mesh)
+
+  def check_fused():
+    shards, residual, weight = residual_rmsnorm_inputs(rng, n, 8, 1024, "float32")
+    normed, new_residual = (np.asarray(o.addressable_shards[0].data) for o in fused(
+        local(P("x"), shards[me:me + 1]), local(P(), residual), local(P(), weight)))
+    assert_residual_rmsnorm_matches(normed, new_residual, shards, residual, weight, 1e-6, "float32")
+    return [digest(normed, new_residual)]
+  return check_fused
+
+
 def reprepare_mode(args) -> dict:
-  """Executables run, their channel is released and prepared again, three
-  times over (DESIGN C16): the cached executables (on CUDA replayed from
-  their graphs, with the pointers they were captured with) never touch
-  freed memory and are right on every run, on the Lamport and the barrier
-  paths. The GPU rig runs it under compute-sanitizer."""
+  """Executables of ``--op`` run, their channel is released and prepared
+  again, three times over (DESIGN C16): the cached executables (on CUDA
+  replayed from their graphs, with the pointers they were captured with)
+  never touch freed memory and are right on every run, on the Lamport and
+  the barrier paths (``--communicator``'s window and algorithm;
+  _reprepare_check). The GPU rig runs it under compute-sanitizer."""
   import jax
   import numpy as np
 
@@ -944,16 +988,16 @@ def reprepare_mode(args) -> dict:
   b12x_jax.set_communicator(_communicator(args))
   mesh = _mesh()
   comm = b12x_jax.get_communicator()
-  ours = _reducer(mesh, b12x_jax.all_reduce)
-  rng = np.random.default_rng(5)
+  check = _reprepare_check(args.op, mesh, np.random.default_rng(5))
   hashes = []
   with b12x_jax.channel("reprepared"):
     for _ in range(3):
-      hashes += [_check(ours, mesh, rng, elems, "float32") for elems in (4096, 1 << 19) for _ in range(2)]
+      hashes += check() + check()
       comm.release("reprepared")
       comm.prepare(mesh, "x", channels=["reprepared"])
   b12x_jax.check_errors()
-  return {"hashes": hashes, "epoch": comm.stats("reprepared", jax.local_devices()[0])["epoch"]}
+  paths = sorted({(d.op, d.path) for d in comm.decisions})
+  return {"hashes": hashes, "paths": paths, "epoch": comm.stats("reprepared", jax.local_devices()[0])["epoch"]}
 
 
 def independent_mode(args) -> dict:

@@ -14,10 +14,10 @@ import shutil
 import pytest
 
 from mp_workers import FUSED_CASES
-from test_multiprocess import (ALL_REDUCE_CONFIGS, BARRIER_MISMATCHES, MISMATCHED_CALLS, check_all_reduce_configs,
-                               check_capacity_edge, check_dcp, check_drop_in, check_loops, check_misplaced, check_mismatch,
-                               check_every_op, check_fused_bits, check_never_calls,
-                               dcp_options)
+from test_multiprocess import (ALL_REDUCE_CONFIGS, BARRIER_MISMATCHES, MISMATCHED_CALLS, REPREPARED,
+                               check_all_reduce_configs, check_capacity_edge, check_dcp, check_drop_in,
+                               check_every_op, check_fused_bits, check_loops, check_misplaced, check_mismatch,
+                               check_never_calls, check_reprepared, dcp_options)
 
 pytestmark = pytest.mark.gpu_rig
 WORLDS = [2, 4, 8]
@@ -130,9 +130,15 @@ def test_cached_executables_across_release_and_prepare_touch_no_freed_memory(gpu
   launcher = (SANITIZER, "--tool", "memcheck", "--error-exitcode", "97", "--print-limit", "20",
               "--log-file", str(tmp_path / "memcheck.%p.log"))
   results = gpu_rig("reprepare", 2, env=env, launcher=launcher, hard_timeout=400)
-  assert results[0]["hashes"] == results[1]["hashes"] and len(results[0]["hashes"]) == 12, results
+  check_reprepared(results, "all_reduce", {})
   logs = [log.read_text() for log in tmp_path.glob("memcheck.*.log")]
   assert len(logs) >= 2 and all("ERROR SUMMARY: 0 errors" in log for log in logs), logs  # memcheck ran, found none
+
+
+@pytest.mark.parametrize("op, options", REPREPARED[1:], ids=[f"{op}-{o}" for op, o in REPREPARED[1:]])
+def test_cached_executables_of_every_protocol_stay_right_across_release_and_prepare(gpu_rig, op, options):
+  # Replayed from their graphs; the all_reduce's default run is the memcheck test's above.
+  check_reprepared(gpu_rig("reprepare", 2, "--op", op, communicator=options), op, options)
 
 
 @pytest.mark.parametrize("n", WORLDS)

@@ -257,10 +257,29 @@ def test_close_twice_is_harmless_and_keeps_the_memory_executables_may_point_at(m
     assert r["mapped"], r  # kept mapped until exit (DESIGN C16), with no name left in /dev/shm
 
 
-def test_cached_executables_stay_right_across_release_and_prepare(multiprocess):
-  results = multiprocess("reprepare")
-  assert results[0]["hashes"] == results[1]["hashes"] and len(results[0]["hashes"]) == 12
-  assert {r["epoch"] for r in results} == {0}  # a fresh channel after the last prepare
+# reprepare mode's runs, (op, Communicator arguments): the all_reduce under each algorithm above the
+# Lamport window, dcp_a2a on either protocol, the fused op fused and on its unfused path.
+REPREPARED = [("all_reduce", {}), ("all_reduce", {"algorithm": "two_shot"}),
+              ("all_reduce", {"algorithm": "one_shot_pull"}), ("dcp_a2a", {}), ("dcp_a2a", {"lamport_bytes": 0}),
+              ("residual_rmsnorm", {}), ("residual_rmsnorm", {"lamport_bytes": 0})]
+
+
+def check_reprepared(results: list[dict], op: str, options: dict) -> None:
+  """reprepare mode: every call right (checked in the worker), the ranks'
+  bits identical where they hold the same result (all but dcp_a2a's head
+  shards), the path each took, and a fresh channel after the last prepare."""
+  calls = {"all_reduce": 12, "dcp_a2a": 6, "residual_rmsnorm": 6}[op]
+  assert all(len(r["hashes"]) == calls for r in results), results
+  assert op == "dcp_a2a" or all(r["hashes"] == results[0]["hashes"] for r in results), results
+  fused_path = "unfused" if op == "residual_rmsnorm" and options.get("lamport_bytes") == 0 else "b12x"
+  op_name = "all_reduce_residual_rmsnorm" if op == "residual_rmsnorm" else op
+  assert all([op_name, fused_path] in r["paths"] for r in results), results
+  assert {r["epoch"] for r in results} == {0}, results
+
+
+@pytest.mark.parametrize("op, options", REPREPARED, ids=[f"{op}-{o}" for op, o in REPREPARED])
+def test_cached_executables_stay_right_across_release_and_prepare(multiprocess, op, options):
+  check_reprepared(multiprocess("reprepare", 2, "--op", op, "--communicator", json.dumps(options)), op, options)
 
 
 def test_a_throwaway_channel_is_released_after_success_and_failure_and_prepared_again(multiprocess):
