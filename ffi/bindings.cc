@@ -474,9 +474,9 @@ NB_MODULE(_b12x, m) {
     // running on the host progress thread: let the calls queued so far end
     // (each within its timeout), so that such a record is read, not missed.
     double bound = 1;
-    for (const auto& groups : {Registry::get().groups(), Registry::get().released_groups()}) {
-      for (const ChannelGroup* group : groups) bound = std::max(bound, host_idle_bound_s(group->options()));
-    }
+    Registry::get().for_each_group([&](const ChannelGroup& group, bool) {
+      bound = std::max(bound, host_idle_bound_s(group.options()));
+    });
     bool idle;
     {
       nb::gil_scoped_release unlocked;
@@ -488,22 +488,17 @@ NB_MODULE(_b12x, m) {
                     std::to_string(static_cast<int>(bound)) + " s without one finishing; their errors, if any, "
                     "are not in this report");
     }
-    for (const ChannelGroup* group : Registry::get().groups()) {
-      for (int r = 0; r < group->world(); ++r) {
-        if (!group->is_local(r)) continue;  // another process reports its own ranks
-        std::string message = pending_error(*group, r);
-        if (!message.empty()) out.push_back(std::move(message));
-      }
-    }
     // A released group's record counts only where an executable lowered
     // before the release ran on it (its earlier failures were released).
-    for (const ChannelGroup* group : Registry::get().released_groups()) {
-      for (int r = 0; r < group->world(); ++r) {
-        if (!group->is_local(r)) continue;
-        std::string message = pending_error(*group, r);  // its kind is read after the state's acquire
-        if (!message.empty() && group->error_record(r).kind == kFailureStale) out.push_back(std::move(message));
+    Registry::get().for_each_group([&](const ChannelGroup& group, bool released) {
+      for (int r = 0; r < group.world(); ++r) {
+        if (!group.is_local(r)) continue;  // another process reports its own ranks
+        std::string message = pending_error(group, r);  // its kind is read after the state's acquire
+        if (!message.empty() && (!released || group.error_record(r).kind == kFailureStale)) {
+          out.push_back(std::move(message));
+        }
       }
-    }
+    });
     return out;
   }, "Messages of every recorded timeout, on any channel and rank of this process, once the host calls queued "
      "before it ended (bounded).");

@@ -55,12 +55,13 @@ std::string Registry::conflict_locked(Platform platform, std::string_view channe
 }
 
 std::string Registry::add(std::unique_ptr<ChannelGroup> group) {
+  // Before the lock: it synchronises the devices (registry.h, "the lock").
+  group->write_generation(next_generation());
   std::unique_lock lock(mutex_);
   std::string conflict = conflict_locked(group->platform(), group->channel(), group->partition(), group->ordinals());
   if (conflict.empty()) conflict = uneven_refusals(group->platform(), group->channel(), group->partition(), group->ordinals());
   if (!conflict.empty()) return conflict;
   forget_refusals(group->platform(), group->channel(), group->partition(), group->ordinals());
-  group->write_generation(next_generation());
   groups_.push_back(std::move(group));
   return {};
 }
@@ -168,35 +169,67 @@ std::string Registry::reusable(Platform platform, std::string_view channel, std:
 }
 
 bool Registry::revive(Platform platform, std::string_view preparation, std::string_view channel) {
-  std::unique_lock lock(mutex_);
-  for (auto it = released_.begin(); it != released_.end(); ++it) {
-    ChannelGroup& group = **it;
-    if (group.platform() != platform || group.preparation() != preparation) continue;
-    // Not over a live group of its devices (another Communicator's): add
-    // then says so.
-    if (!conflict_locked(platform, channel, group.partition(), group.ordinals()).empty()) return false;
-    // Uneven refusals: add then says so.
-    if (!uneven_refusals(platform, channel, group.partition(), group.ordinals()).empty()) return false;
-    if (!group.wait_idle() || !group.reset()) return false;
-    forget_refusals(platform, channel, group.partition(), group.ordinals());
-    group.set_channel(std::string(channel));
-    group.write_generation(next_generation());
-    groups_.push_back(std::move(*it));
+  // Out of released_ while it waits, resets and takes its name and
+  // generation, outside the lock (registry.h, "the lock"): no other thread
+  // finds it meanwhile, and it goes into use only if its devices are still
+  // free of the channel then.
+  std::unique_ptr<ChannelGroup> group;
+  {
+    std::unique_lock lock(mutex_);
+    const auto it = std::find_if(released_.begin(), released_.end(), [&](const auto& g) {
+      return g->platform() == platform && g->preparation() == preparation;
+    });
+    if (it == released_.end() || !usable_locked(platform, channel, **it)) return false;
+    group = std::move(*it);
     released_.erase(it);
-    return true;
   }
+  // Back into released_ however this ends, unless it went into use: its
+  // memory stays for the life of the process (DESIGN C16).
+  struct Parked {
+    Registry& registry;
+    std::unique_ptr<ChannelGroup>& group;
+    ~Parked() {
+      if (!group) return;
+      std::unique_lock lock(registry.mutex_);
+      registry.released_.push_back(std::move(group));
+    }
+  } parked{*this, group};
+  if (!group->wait_idle() || !group->reset()) return false;
+  group->set_channel(std::string(channel));
+  group->write_generation(next_generation());
+  {
+    std::unique_lock lock(mutex_);
+    if (usable_locked(platform, channel, *group)) {
+      forget_refusals(platform, channel, group->partition(), group->ordinals());
+      groups_.push_back(std::move(group));
+      return true;
+    }
+  }
+  group->write_generation(0);  // another Communicator took its devices meanwhile: add then says so
   return false;
 }
 
+bool Registry::usable_locked(Platform platform, std::string_view channel, const ChannelGroup& group) const {
+  // Not over a live group of its devices (another Communicator's), nor with
+  // uneven refusals: add then says so.
+  return conflict_locked(platform, channel, group.partition(), group.ordinals()).empty() &&
+         uneven_refusals(platform, channel, group.partition(), group.ordinals()).empty();
+}
+
 void Registry::retire(Platform platform, std::string_view preparation) {
-  std::unique_lock lock(mutex_);
-  for (auto it = groups_.begin(); it != groups_.end(); ++it) {
-    if ((*it)->platform() != platform || (*it)->preparation() != preparation) continue;
-    (*it)->write_generation(0);
-    released_.push_back(std::move(*it));
+  std::unique_ptr<ChannelGroup> group;
+  {
+    std::unique_lock lock(mutex_);
+    const auto it = std::find_if(groups_.begin(), groups_.end(), [&](const auto& g) {
+      return g->platform() == platform && g->preparation() == preparation;
+    });
+    if (it == groups_.end()) return;
+    group = std::move(*it);
     groups_.erase(it);
-    return;
   }
+  group->write_generation(0);  // outside the lock, as in release
+  std::unique_lock lock(mutex_);
+  released_.push_back(std::move(group));
 }
 
 std::string Registry::local_preparation() {
@@ -252,16 +285,12 @@ std::vector<const ChannelGroup*> Registry::groups() const {
   return out;
 }
 
-std::vector<const ChannelGroup*> Registry::released_groups() const {
-  std::shared_lock lock(mutex_);
-  std::vector<const ChannelGroup*> out;
-  for (const auto& group : released_) out.push_back(group.get());
-  return out;
-}
-
-uint32_t Registry::next_generation() {  // under the exclusive lock
-  if (++generation_counter_ == 0) ++generation_counter_;
-  return generation_counter_;
+uint32_t Registry::next_generation() {
+  uint32_t generation;
+  do {
+    generation = generation_counter_.fetch_add(1) + 1;
+  } while (generation == 0);
+  return generation;
 }
 
 ChannelView base_view(const ChannelOptions& options, int world, int blocks) {

@@ -7,6 +7,7 @@
 // process then holds some of its ranks and has opened the others' memory.
 #pragma once
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -232,17 +233,28 @@ class Registry {
   size_t release(Platform platform, std::string_view channel,
                  const std::vector<std::pair<std::string, std::vector<int>>>& groups);
   // The installed groups. The pointers stay valid after the lock is dropped
-  // (stats, pending_errors): an installed group is never destroyed, only
-  // released (DESIGN C16).
+  // (stats, start_counters): an installed group is never destroyed, only
+  // released (DESIGN C16), and its name and generation change only while
+  // it is in neither list.
   std::vector<const ChannelGroup*> groups() const;
-  // The released groups: only a stale executable (one lowered before the
-  // release) can still record an error in them (pending_errors reports it).
-  std::vector<const ChannelGroup*> released_groups() const;
+  // Calls `visit(group, released)` for every installed group, then every
+  // released one (only a stale executable, one lowered before the release,
+  // can still record an error in those), under the shared lock: a group
+  // that revive is resetting and renaming is in neither list meanwhile.
+  template <class Visit>
+  void for_each_group(Visit visit) const {
+    std::shared_lock lock(mutex_);
+    for (const auto& group : groups_) visit(*group, false);
+    for (const auto& group : released_) visit(*group, true);
+  }
 
  private:
   // A fresh Signal::generation, never 0 (0: released).
   uint32_t next_generation();
-  uint32_t generation_counter_ = 0;
+  std::atomic<uint32_t> generation_counter_{0};
+  // Whether `group` may go into use as `channel` (under the lock): no live
+  // group serves the channel on its devices and their refusals are even.
+  bool usable_locked(Platform platform, std::string_view channel, const ChannelGroup& group) const;
   uint64_t local_preparations_ = 0;
   RankHandle find_locked(Platform platform, std::string_view channel, std::string_view partition, int ordinal) const;
   // Why a group of `channel` over `partition` on `ordinals` cannot go into
@@ -257,6 +269,12 @@ class Registry {
   void forget_refusals(Platform platform, std::string_view channel, std::string_view partition,
                        const std::vector<int>& ordinals) const;
 
+  // The lock: shared by handlers (lease) and lookups, exclusive while the
+  // lists change. Nothing that synchronises a device or waits for queued
+  // work runs under it (write_generation, reset, wait_idle): with several
+  // GPUs in one process, a handler of another channel's call, whose peer
+  // kernel already waits on another GPU, would wait behind it, and that
+  // peer could time out.
   mutable std::shared_mutex mutex_;
   // Per (platform, channel, partition), per device: refused calls, and how
   // many fewer forgive_refusals found than the most. Taken after mutex_,
