@@ -59,17 +59,22 @@ def table_key(device_kind: str, world: int) -> str:
 def crossover_for(device_kind: str, world: int, *, stored: bool = True) -> Crossover:
   """The stored calibration for (device_kind, world) (unless ``stored`` is
   False), else the measured default, else one-shot everywhere (psum only
-  beyond capacity_bytes). A stored entry that is not what calibration
-  writes is passed over, and the source says why."""
+  beyond capacity_bytes). A stored file or entry that is not what
+  calibration writes is passed over, and the source says why."""
   default = DEFAULTS.get((device_kind, world), Crossover())
-  calibrated = stored_table().get(table_key(device_kind, world)) if stored else None
+  if not stored:
+    return default
+  table, problem = _stored()
+  where = cache_path()
+  calibrated = table.get(table_key(device_kind, world))
+  if problem is None and calibrated is not None:
+    problem = _entry_problem(calibrated)
+    where = f"{where}'s entry {table_key(device_kind, world)!r}"
+  if problem is not None:
+    return dataclasses.replace(default, source=f"{default.source}; passed over {where}: {problem} (run "
+                               "b12x_jax.calibration again, or delete the file)")
   if calibrated is None:
     return default
-  problem = _entry_problem(calibrated)
-  if problem is not None:
-    return dataclasses.replace(default, source=f"{default.source}; passed over {cache_path()}'s entry "
-                               f"{table_key(device_kind, world)!r}: {problem} (run b12x_jax.calibration again, "
-                               "or delete the file)")
   return Crossover(calibrated.get("two_shot_from"), calibrated.get("psum_from"), f"calibrated ({cache_path()})")
 
 
@@ -85,21 +90,32 @@ def _entry_problem(entry) -> str | None:
 
 
 def stored_table() -> dict:
-  """The stored calibrations; read again only when the file changes (every
+  """The stored calibrations (empty where none, or where the file is not
+  what calibration writes); read again only when the file changes (every
   traced all_reduce above the Lamport window asks)."""
+  return _stored()[0]
+
+
+def _stored() -> tuple[dict, str | None]:
+  """stored_table, and why the file was passed over (None where it was read
+  or there is none)."""
   path = cache_path()
   try:
     return _read_table(path, os.stat(path).st_mtime_ns)
   except OSError:
-    return {}
+    return {}, None
 
 
 @functools.lru_cache(maxsize=4)
-def _read_table(path: str, mtime_ns: int) -> dict:
+def _read_table(path: str, mtime_ns: int) -> tuple[dict, str | None]:
   del mtime_ns  # part of the cache key only
   try:
     with open(path) as f:
       table = json.load(f)
-  except (OSError, ValueError):
-    return {}
-  return table if isinstance(table, dict) else {}  # calibration writes an object
+  except OSError as e:
+    return {}, f"it cannot be read ({e.strerror})"
+  except ValueError as e:
+    return {}, f"it is not JSON ({e})"
+  if not isinstance(table, dict):  # calibration writes an object
+    return {}, f"it holds a JSON {type(table).__name__}, not an object"
+  return table, None

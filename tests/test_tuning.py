@@ -85,19 +85,32 @@ def _lowered(mesh, elems: int) -> str:
   return fn.lower(jax.ShapeDtypeStruct((2 * elems,), np.float32, sharding=NamedSharding(mesh, P("x")))).as_text()
 
 
-@pytest.mark.parametrize("stored, problem", [([1, 2], None), ({"two_shot_from": "8MiB"}, "two_shot_from is '8MiB'"),
+def _reason_over(mesh, text: str, tmp_path, monkeypatch) -> str:
+  """The decision of a 4 MiB all_reduce with ``text`` the stored file: the
+  default (one-shot) taken on b12x."""
+  monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path))
+  (tmp_path / "crossovers.json").write_text(text)
+  with fresh_communicator(capacity_bytes=16 * MiB, lamport_bytes=0) as comm, b12x_jax.channel("malformed"):
+    assert "algorithm = 0 : i32" in _lowered(mesh, MiB)
+  assert comm.decisions[-1].path == "b12x", comm.decisions[-1]
+  return comm.decisions[-1].reason
+
+
+@pytest.mark.parametrize("stored, problem", [({"two_shot_from": "8MiB"}, "two_shot_from is '8MiB'"),
                                              ({"psum_from": -1}, "psum_from is -1"), ("fast", "'fast' is not an object")])
 def test_a_stored_calibration_not_as_calibration_writes_it_is_passed_over_saying_why(cpu_mesh, tmp_path, monkeypatch,
                                                                                     stored, problem):
-  monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path))
   kind = jax.devices()[0].device_kind
-  (tmp_path / "crossovers.json").write_text(json.dumps(stored if problem is None else {f"{kind}/2": stored}))
-  with fresh_communicator(capacity_bytes=16 * MiB, lamport_bytes=0) as comm, b12x_jax.channel("malformed"):
-    assert "algorithm = 0 : i32" in _lowered(cpu_mesh(2), MiB)  # 4 MiB: the default, one-shot
-    reason = comm.decisions[-1].reason
-  assert comm.decisions[-1].path == "b12x", comm.decisions[-1]
-  if problem is not None:
-    assert f"passed over {tmp_path / 'crossovers.json'}'s entry '{kind}/2': {problem}" in reason, reason
+  reason = _reason_over(cpu_mesh(2), json.dumps({f"{kind}/2": stored}), tmp_path, monkeypatch)
+  assert f"passed over {tmp_path / 'crossovers.json'}'s entry '{kind}/2': {problem}" in reason, reason
+
+
+@pytest.mark.parametrize("text, problem", [("[1, 2]", "it holds a JSON list, not an object"),
+                                           ('{"NVIDIA', "it is not JSON (Unterminated string")])
+def test_a_stored_file_not_as_calibration_writes_it_is_passed_over_saying_why(cpu_mesh, tmp_path, monkeypatch, text,
+                                                                             problem):
+  reason = _reason_over(cpu_mesh(2), text, tmp_path, monkeypatch)
+  assert f"passed over {tmp_path / 'crossovers.json'}: {problem}" in reason, reason
 
 
 def test_the_stored_calibration_picks_two_shot_and_psum_by_size(cpu_mesh, tmp_path, monkeypatch):
