@@ -900,11 +900,15 @@ def _hand_built_call(mesh, target: str, operands: list, results: list, **attribu
   return lambda: fn(*[jax.device_put(np.stack([a] * mesh.size), NamedSharding(mesh, P("x"))) for a in operands])
 
 
-@pytest.mark.parametrize("case", ["all_reduce result", "fused rows", "fused result", "dcp result", "dcp lse result"])
-def test_a_hand_built_call_whose_shapes_disagree_is_refused_by_the_handler(cpu_mesh, case):
-  # Only a custom call built by hand reaches the handlers so: they refuse it rather than write past a result or
-  # normalise rows of another width.
-  mesh = cpu_mesh(2)
+HAND_BUILT_CASES = ["all_reduce result", "fused rows", "fused result", "dcp result", "dcp lse result"]
+
+
+def check_a_hand_built_call_is_refused(mesh, case: str) -> None:
+  """A hand-built call of HAND_BUILT_CASES on ``mesh`` (axis "x"; its
+  channel prepared here) raises the handler's message for it, and a right
+  call on the channel runs after it. For the GPU twin too
+  (tests/gpu/test_bad_input_gpu.py)."""
+  n = mesh.shape["x"]
   b12x_jax.get_communicator().prepare(mesh, "x", channels=[_channel(mesh)])
   x, w = np.ones((2, 8), np.float32), np.ones(8, np.float32)
   out, lse = np.ones((1, 2, 8), jnp.bfloat16), np.zeros((1, 2), np.float32)
@@ -923,10 +927,17 @@ def test_a_hand_built_call_whose_shapes_disagree_is_refused_by_the_handler(cpu_m
                                               return_lse=False),
                      r"the merged out must be \[B, H/N, D\]"),
       "dcp lse result": (lambda: _hand_built_call(mesh, "b12x_dcp_a2a", [out, lse],
-                                                  [bf16((1, 1, 8)), f32((2,), np.float32)], base2=False,
+                                                  [bf16((1, 2 // n, 8)), f32((3,), np.float32)], base2=False,
                                                   return_lse=True),
                          r"the merged lse must be float32 \[B, H/N\]"),
   }[case]
   with pytest.raises(Exception, match=message):
     jax.block_until_ready(call()())
   _assert_still_usable(mesh)
+
+
+@pytest.mark.parametrize("case", HAND_BUILT_CASES)
+def test_a_hand_built_call_whose_shapes_disagree_is_refused_by_the_handler(cpu_mesh, case):
+  # Only a custom call built by hand reaches the handlers so: they refuse it rather than write past a result or
+  # normalise rows of another width.
+  check_a_hand_built_call_is_refused(cpu_mesh(2), case)
