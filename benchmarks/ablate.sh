@@ -38,6 +38,7 @@ SIZES=${1:-4096,65536}
 L=ffi/cuda/lamport.cuh
 X=b12x_jax/kernels/exchange.py
 R=b12x_jax/kernels/residual_rmsnorm.py
+A=b12x_jax/kernels/all_reduce.py
 D=ffi/cuda/dcp_a2a.cu
 # The Lamport exchange's safety steps, each taken out by one edit of $L
 # (composed by the builds below).
@@ -69,6 +70,8 @@ VARIANTS=(
   "triton: no failure record (its branch gone)|$X|s/recorded = jax.lax.cond(record, record_failure, lambda: \\(.*\\))$/recorded = \\1/"
   "triton: the record without its branch (every step predicated on the call recording)|$X|s/recorded = jax.lax.cond(record, record_failure, lambda: .*)$/recorded = record_failure()/"
   "triton: no halt check (poison, generation)|$X|s/stale, go = halted == 2, halted == 0/stale, go = rank < 0, rank >= 0/"
+  "triton: the all_reduce's blocks of 1024 words or fewer on 8 warps, not 4|$A|s/warps = warps_for(plan.block_words, 4 if plan.block_words <= 1024 else 8)/warps = warps_for(plan.block_words, 8)/"
+  "triton: the all_reduce's blocks of 1024 words or fewer on 2 warps, not 4|$A|s/warps = warps_for(plan.block_words, 4 if plan.block_words <= 1024 else 8)/warps = warps_for(plan.block_words, 2 if plan.block_words <= 1024 else 8)/"
   "triton: the fused op's 4096-word rows in one program of 16 warps (no meeting)|$R|s/^SPLIT_ROW_WORDS = 4096$/SPLIT_ROW_WORDS = 8192/; s/warps = warps_for(W, wide_warps(W \* plan.world))/warps = warps_for(W, 16 if W >= 4096 else wide_warps(W * plan.world))/"
   "triton: the fused op's 4096-word rows in one program of 8 warps (no meeting)|$R|s/^SPLIT_ROW_WORDS = 4096$/SPLIT_ROW_WORDS = 8192/; s/warps = warps_for(W, wide_warps(W \* plan.world))/warps = warps_for(W, 8 if W >= 4096 else wide_warps(W * plan.world))/"
   "triton: the fused op with twice the warps at 8 rows or more|$R|s/warps = warps_for(W, wide_warps(W \* plan.world))/warps = warps_for(W, (2 if words.size \/\/ W >= 8 * split else 1) * wide_warps(W * plan.world))/"

@@ -107,6 +107,13 @@ def test_independent_calls_on_one_channel_run_in_program_order(gpu_rig, n, graph
     assert r == {"wrong": 0, "results": 20 * 32}, r
 
 
+@pytest.mark.parametrize("kernels", ["ffi", "triton"])
+@pytest.mark.parametrize("op", ["dcp_a2a", "residual_rmsnorm"])
+def test_independent_merges_and_fused_calls_run_in_program_order(gpu_rig, op, kernels):
+  for r in gpu_rig("independent", 2, "--op", op, communicator={"kernels": kernels}, hard_timeout=240):
+    assert r == {"wrong": 0, "results": 20 * 32}, r
+
+
 @pytest.mark.parametrize("graphs", ["on", "off"])
 @pytest.mark.parametrize("n", [2, 4])
 def test_calls_of_back_to_back_executables_and_of_consecutive_shard_maps_run_in_one_order(gpu_rig, n, graphs):

@@ -6,7 +6,7 @@ independent custom calls in different orders on different devices, so
 without the channel's order token ranks pair one call with another's data
 (seen before the token: 148 of 640 results wrong at N = 2). Every result
 must be exact (integer inputs: the float32 sum is exact); so must the fused
-op's new residual, and a dcp_a2a merge within float16 roundings
+op's new residual, and a dcp_a2a merge within bfloat16 roundings
 (helpers.independent_wrong).
 """
 
