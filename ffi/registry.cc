@@ -183,17 +183,7 @@ bool Registry::revive(Platform platform, std::string_view preparation, std::stri
     group = std::move(*it);
     released_.erase(it);
   }
-  // Back into released_ however this ends, unless it went into use: its
-  // memory stays for the life of the process (DESIGN C16).
-  struct Parked {
-    Registry& registry;
-    std::unique_ptr<ChannelGroup>& group;
-    ~Parked() {
-      if (!group) return;
-      std::unique_lock lock(registry.mutex_);
-      registry.released_.push_back(std::move(group));
-    }
-  } parked{*this, group};
+  const Parking parking(*this, group);  // unless it goes into use
   if (!group->wait_idle() || !group->reset()) return false;
   group->set_channel(std::string(channel));
   group->write_generation(next_generation());
@@ -227,9 +217,8 @@ void Registry::retire(Platform platform, std::string_view preparation) {
     group = std::move(*it);
     groups_.erase(it);
   }
+  const Parking parking(*this, group);
   group->write_generation(0);  // outside the lock, as in release
-  std::unique_lock lock(mutex_);
-  released_.push_back(std::move(group));
 }
 
 std::string Registry::local_preparation() {
@@ -262,20 +251,25 @@ size_t Registry::release(Platform platform, std::string_view channel,
   // other channels from finding theirs. Nor in released_ yet: revive could
   // take a group there and write its new generation before this 0.
   std::string busy;
-  for (const auto& group : releasing) {
-    if (!group->wait_idle()) {
-      busy += (busy.empty() ? "" : "\n") + busy_message(*group);
-    } else {
-      group->write_generation(0);  // an executable lowered before stops at its first call
+  {
+    const Parking parking(*this, releasing);
+    for (const auto& group : releasing) {
+      if (!group->wait_idle()) {
+        busy += (busy.empty() ? "" : "\n") + busy_message(*group);
+      } else {
+        group->write_generation(0);  // an executable lowered before stops at its first call
+      }
     }
   }
-  const size_t count = releasing.size();
-  {
-    std::unique_lock lock(mutex_);
-    for (auto& group : releasing) released_.push_back(std::move(group));
-  }
   if (!busy.empty()) throw std::runtime_error(busy);
-  return count;
+  return releasing.size();
+}
+
+Registry::Parking::~Parking() {
+  std::unique_lock lock(registry_.mutex_);
+  for (std::unique_ptr<ChannelGroup>* group : groups_) {
+    if (*group) registry_.released_.push_back(std::move(*group));
+  }
 }
 
 std::vector<const ChannelGroup*> Registry::groups() const {

@@ -255,6 +255,24 @@ class Registry {
   // Whether `group` may go into use as `channel` (under the lock): no live
   // group serves the channel on its devices and their refusals are even.
   bool usable_locked(Platform platform, std::string_view channel, const ChannelGroup& group) const;
+  // Parks the groups it holds (those still held when it goes: a revived
+  // group that went into use is not) in released_, however the work done
+  // on them outside the lock ends, a throw included: a group a handler may
+  // have seen is never freed (DESIGN C16).
+  class Parking {
+   public:
+    Parking(Registry& registry, std::unique_ptr<ChannelGroup>& group) : registry_(registry), groups_{&group} {}
+    Parking(Registry& registry, std::vector<std::unique_ptr<ChannelGroup>>& groups) : registry_(registry) {
+      for (auto& group : groups) groups_.push_back(&group);
+    }
+    Parking(const Parking&) = delete;
+    Parking& operator=(const Parking&) = delete;
+    ~Parking();
+
+   private:
+    Registry& registry_;
+    std::vector<std::unique_ptr<ChannelGroup>*> groups_;
+  };
   uint64_t local_preparations_ = 0;
   RankHandle find_locked(Platform platform, std::string_view channel, std::string_view partition, int ordinal) const;
   // Why a group of `channel` over `partition` on `ordinals` cannot go into
