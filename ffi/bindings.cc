@@ -403,7 +403,10 @@ NB_MODULE(_b12x, m) {
 
   m.def("kernel_view", [](const std::string& platform, const std::string& channel, const std::string& partition,
                           int ordinal, size_t bytes, const std::string& dtype, uint32_t site) {
-    const RankHandle h = Registry::get().find(parse_platform(platform), channel, partition, ordinal);
+    // Held while the view and its generation are read: a release and a
+    // revive under another name in between would give this channel's
+    // kernel the other one's memory under its own generation.
+    const RankLease h = Registry::get().hold(parse_platform(platform), channel, partition, ordinal);
     if (!h) throw std::invalid_argument(unprepared_message("all_reduce", channel, ordinal));
     const ChannelView& v = h.view();
     const auto address = [](const void* p) { return reinterpret_cast<uintptr_t>(p); };

@@ -72,11 +72,17 @@ RankHandle Registry::find(Platform platform, std::string_view channel, std::stri
   return find_locked(platform, channel, partition, ordinal);
 }
 
-RankLease Registry::lease(Platform platform, std::string_view channel, std::string_view partition,
-                          int ordinal) const {
+RankLease Registry::hold(Platform platform, std::string_view channel, std::string_view partition,
+                         int ordinal) const {
   RankLease lease;
   lease.lock = std::shared_lock(mutex_);
   static_cast<RankHandle&>(lease) = find_locked(platform, channel, partition, ordinal);
+  return lease;
+}
+
+RankLease Registry::lease(Platform platform, std::string_view channel, std::string_view partition,
+                          int ordinal) const {
+  RankLease lease = hold(platform, channel, partition, ordinal);
   if (!lease && platform == Platform::kHost) {  // under the shared lock: add and revive see it
     std::lock_guard refusals(refusals_mutex_);
     ++refused_[{platform, std::string(channel), std::string(partition)}][ordinal].calls;

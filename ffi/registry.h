@@ -206,6 +206,9 @@ class Registry {
   // find, for a handler: see RankLease. A host call that finds no group is
   // counted as refused on its device (refusals).
   RankLease lease(Platform platform, std::string_view channel, std::string_view partition, int ordinal) const;
+  // find, holding the shared lock as lease does, counting nothing: for a
+  // caller that reads more than one thing of the group (kernel_view).
+  RankLease hold(Platform platform, std::string_view channel, std::string_view partition, int ordinal) const;
   // How many host calls of `channel` over `partition` were refused as not
   // prepared on each of `ordinals` since a group of them last went into use
   // (0 for a remote rank), and whether they are even. XLA:CPU runs every
