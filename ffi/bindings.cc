@@ -291,6 +291,7 @@ NB_MODULE(_b12x, m) {
     prepare_local(Platform::kHost, channel, partition, ordinals, options,
                   [&] { return make_host_group(channel, ordinals, options); });
   }, nb::arg("channel"), nb::arg("partition"), nb::arg("ordinals"), nb::arg("options"),
+     nb::call_guard<nb::gil_scoped_release>(),  // it may wait for host calls (revive), as release does
      "Allocates the channel in host memory for the given CPU devices, ranks in list order, or reuses the "
      "memory of a released group on the same devices and options (of this channel first, else renamed).");
 
@@ -301,6 +302,7 @@ NB_MODULE(_b12x, m) {
     prepare_local(Platform::kCuda, channel, partition, ordinals, options,
                   [&] { return make_cuda_group(channel, ordinals, options); });
   }, nb::arg("channel"), nb::arg("partition"), nb::arg("ordinals"), nb::arg("options"),
+     nb::call_guard<nb::gil_scoped_release>(),  // device syncs: other Python threads go on meanwhile
      "Allocates the channel on the given GPUs of this process (peer access probed before), or reuses the "
      "memory of a released group on the same devices and options (of this channel first, else renamed).");
   m.def("probe_peer_access", &probe_peer_access, nb::arg("ordinals"),
@@ -344,11 +346,12 @@ NB_MODULE(_b12x, m) {
      "The preparation of a released group a new preparation of the channel can reuse (ffi/registry.h), or ''.");
   m.def("revive", [](const std::string& platform, const std::string& preparation, const std::string& channel) {
     return Registry::get().revive(parse_platform(platform), preparation, channel);
-  }, nb::arg("platform"), nb::arg("preparation"), nb::arg("channel"),
+  }, nb::arg("platform"), nb::arg("preparation"), nb::arg("channel"), nb::call_guard<nb::gil_scoped_release>(),
      "Puts the released group of `preparation` back into use as `channel`, reset; False if it cannot.");
   m.def("retire", [](const std::string& platform, const std::string& preparation) {
     Registry::get().retire(parse_platform(platform), preparation);
-  }, nb::arg("platform"), nb::arg("preparation"), "Takes a revived group out of use again (a failed preparation).");
+  }, nb::arg("platform"), nb::arg("preparation"), nb::call_guard<nb::gil_scoped_release>(),
+     "Takes a revived group out of use again (a failed preparation).");
   m.def("refusals", [](const std::string& platform, const std::string& channel, const std::string& partition,
                        const std::vector<int>& ordinals) {
     return Registry::get().refusals(parse_platform(platform), channel, partition, ordinals);
@@ -391,11 +394,11 @@ NB_MODULE(_b12x, m) {
   m.def("start_counters", [](const std::string& platform, const std::string& channel, uint32_t calls) {
     const Platform on = parse_platform(platform);
     size_t started = 0;
-    for (const ChannelGroup* group : Registry::get().groups()) {
-      if (group->platform() != on || group->channel() != channel) continue;
-      group->start_counters(calls);
+    Registry::get().for_each_group([&](const ChannelGroup& group, bool released) {
+      if (released || group.platform() != on || group.channel() != channel) return;
+      group.start_counters(calls);
       ++started;
-    }
+    });
     if (started == 0) throw std::invalid_argument(unprepared_message("start_counters", channel, -1));
   }, nb::arg("platform"), nb::arg("channel"), nb::arg("calls"),
      "Test hook (docs/DESIGN.md, Wrap): every group of the channel on the platform starts as if `calls` calls "

@@ -191,6 +191,7 @@ bool Registry::revive(Platform platform, std::string_view preparation, std::stri
   }
   const Parking parking(*this, group);  // unless it goes into use
   if (!group->wait_idle() || !group->reset()) return false;
+  const std::string parked_as = group->channel();
   group->set_channel(std::string(channel));
   group->write_generation(next_generation());
   {
@@ -201,7 +202,9 @@ bool Registry::revive(Platform platform, std::string_view preparation, std::stri
       return true;
     }
   }
-  group->write_generation(0);  // another Communicator took its devices meanwhile: add then says so
+  // Another Communicator took its devices meanwhile: add then says so.
+  group->set_channel(parked_as);
+  group->write_generation(0);
   return false;
 }
 
@@ -276,13 +279,6 @@ Registry::Parking::~Parking() {
   for (std::unique_ptr<ChannelGroup>* group : groups_) {
     if (*group) registry_.released_.push_back(std::move(*group));
   }
-}
-
-std::vector<const ChannelGroup*> Registry::groups() const {
-  std::shared_lock lock(mutex_);
-  std::vector<const ChannelGroup*> out;
-  for (const auto& group : groups_) out.push_back(group.get());
-  return out;
 }
 
 uint32_t Registry::next_generation() {

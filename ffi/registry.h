@@ -235,15 +235,10 @@ class Registry {
   // whose work is still queued.
   size_t release(Platform platform, std::string_view channel,
                  const std::vector<std::pair<std::string, std::vector<int>>>& groups);
-  // The installed groups. The pointers stay valid after the lock is dropped
-  // (stats, start_counters): an installed group is never destroyed, only
-  // released (DESIGN C16), and its name and generation change only while
-  // it is in neither list.
-  std::vector<const ChannelGroup*> groups() const;
   // Calls `visit(group, released)` for every installed group, then every
   // released one (only a stale executable, one lowered before the release,
-  // can still record an error in those), under the shared lock: a group
-  // that revive is resetting and renaming is in neither list meanwhile.
+  // can still record an error in those), under the shared lock: a group's
+  // name and generation change only while it is in neither list (revive).
   template <class Visit>
   void for_each_group(Visit visit) const {
     std::shared_lock lock(mutex_);
