@@ -948,7 +948,7 @@ def _reprepare_check(op: str, mesh, rng):
   from helpers import assert_residual_rmsnorm_matches, attention_shards, residual_rmsnorm_fn, residual_rmsnorm_inputs
   n, me = jax.device_count(), jax.process_index()
   digest = lambda *arrays: hashlib.sha256(b"".join(a.tobytes() for a in arrays)).hexdigest()  # noqa: E731
-  local = lambda spec, a: jax.make_array_from_process_local_data(NamedSharding(mesh, spec), a)  # noqa: E731
+  local = lambda a, spec: jax.make_array_from_process_local_data(NamedSharding(mesh, spec), a)  # noqa: E731
   if op == "all_reduce":
     ours = _reducer(mesh, b12x_jax.all_reduce)
     return lambda: [_check(ours, mesh, rng, elems, "float32") for elems in (4096, 1 << 19)]
@@ -958,8 +958,8 @@ def _reprepare_check(op: str, mesh, rng):
 
     def check_merge():
       outs, lses, want, want_lse = attention_shards(rng, n, 4, 8 * n, 128, jnp.bfloat16, empty=((0, 0, 0),))
-      got, got_lse = (np.asarray(r.addressable_shards[0].data) for r in merge(local(P("x"), outs[me]),
-                                                                              local(P("x"), lses[me])))
+      got, got_lse = (np.asarray(r.addressable_shards[0].data) for r in merge(local(outs[me], P("x")),
+                                                                              local(lses[me], P("x"))))
       _assert_head_shard(got, got_lse, outs, want, want_lse, slice(me * 8, (me + 1) * 8))
       return [digest(got, got_lse)]
     return check_merge
@@ -968,7 +968,7 @@ def _reprepare_check(op: str, mesh, rng):
   def check_fused():
     shards, residual, weight = residual_rmsnorm_inputs(rng, n, 8, 1024, "float32")
     normed, new_residual = (np.asarray(o.addressable_shards[0].data) for o in fused(
-        local(P("x"), shards[me:me + 1]), local(P(), residual), local(P(), weight)))
+        local(shards[me:me + 1], P("x")), local(residual, P()), local(weight, P())))
     assert_residual_rmsnorm_matches(normed, new_residual, shards, residual, weight, 1e-6, "float32")
     return [digest(normed, new_residual)]
   return check_fused
@@ -980,12 +980,15 @@ def reprepare_mode(args) -> dict:
   replayed from their graphs, with the pointers they were captured with)
   never touch freed memory and are right on every run, on the Lamport and
   the barrier paths (``--communicator``'s window and algorithm;
-  _reprepare_check). The GPU rig runs it under compute-sanitizer."""
+  _reprepare_check), outputs poisoned. Returns the hashes of the outputs,
+  the calls taken (helpers.calls_taken) and the last epoch. The GPU rig
+  runs it under compute-sanitizer."""
   import jax
   import numpy as np
 
   import b12x_jax
-  b12x_jax.set_communicator(_communicator(args))
+  from helpers import calls_taken
+  b12x_jax.set_communicator(_communicator(args, poison_outputs=True))
   mesh = _mesh()
   comm = b12x_jax.get_communicator()
   check = _reprepare_check(args.op, mesh, np.random.default_rng(5))
@@ -996,25 +999,25 @@ def reprepare_mode(args) -> dict:
       comm.release("reprepared")
       comm.prepare(mesh, "x", channels=["reprepared"])
   b12x_jax.check_errors()
-  paths = sorted({(d.op, d.path) for d in comm.decisions})
-  return {"hashes": hashes, "paths": paths, "epoch": comm.stats("reprepared", jax.local_devices()[0])["epoch"]}
+  return {"hashes": hashes, "taken": calls_taken(comm.decisions),
+          "epoch": comm.stats("reprepared", jax.local_devices()[0])["epoch"]}
 
 
 def independent_mode(args) -> dict:
   """32 calls of ``--op`` on one channel whose inputs do not depend on each
   other (helpers.independent_calls), 20 runs on fresh integer inputs, across
-  processes (DESIGN C15). Returns how many of this process's results were
-  wrong."""
+  processes (DESIGN C15), outputs poisoned. Returns how many of this
+  process's results were wrong, and the calls taken (helpers.calls_taken)."""
   import jax
   import numpy as np
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   import b12x_jax
-  from helpers import independent_calls, independent_wrong, integer_shards
-  b12x_jax.set_communicator(_communicator(args))
+  from helpers import calls_taken, independent_calls, independent_wrong, integer_shards
+  b12x_jax.set_communicator(_communicator(args, poison_outputs=True))
   mesh, me, calls, elems, n = _mesh(), jax.process_index(), 32, 4096, jax.device_count()
-  fn = jax.jit(jax.shard_map(independent_calls(calls, args.op, n), mesh=mesh, in_specs=P(None, "x"),
+  fn = jax.jit(jax.shard_map(independent_calls(calls, args.op), mesh=mesh, in_specs=P(None, "x"),
                              out_specs=P(None, "x"), check_vma=False))
   rng = np.random.default_rng(6)  # the same shards in every process
   wrong, runs = 0, 20
@@ -1025,7 +1028,7 @@ def independent_mode(args) -> dict:
       got = np.asarray(fn(x).addressable_shards[0].data)
       wrong += independent_wrong(args.op, got[:, None], shards, ranks=[me])
   b12x_jax.check_errors()
-  return {"wrong": wrong, "results": runs * calls}
+  return {"wrong": wrong, "results": runs * calls, "taken": calls_taken(b12x_jax.get_communicator().decisions)}
 
 
 def _skewed(v, rank):

@@ -13,8 +13,9 @@ import shutil
 
 import pytest
 
+from helpers import expected_taken
 from mp_workers import FUSED_CASES
-from test_multiprocess import (ALL_REDUCE_CONFIGS, BARRIER_MISMATCHES, MISMATCHED_CALLS, REPREPARED,
+from test_multiprocess import (ALL_REDUCE_CONFIGS, BARRIER_MISMATCHES, MISMATCHED_CALLS, REPREPARED, REPREPARED_IDS,
                                check_all_reduce_configs, check_capacity_edge, check_dcp, check_drop_in,
                                check_every_op, check_fused_bits, check_loops, check_misplaced, check_mismatch,
                                check_never_calls, check_reprepared, dcp_options)
@@ -82,7 +83,7 @@ def test_the_fused_op_matches_float64_with_identical_bits_across_the_wrap(gpu_ri
                                   "setup_timeout_s": 20.0})
   check_fused_bits(results)
   cases = 3 * len(FUSED_CASES)  # dtypes x shapes, twice: from 5 before the wrap, the split rows' meeting words too
-  # The FFI (float16) calls and the Triton ones share the channel's counters.
+  # Every call shares the channel's counters (with kernels="triton", the FFI float16 ones too).
   assert {r["epoch"] for r in results} == {(2 * (2**32 - 5) + 2 * cases) % 2**32}, results  # both counters wrapped
   for case, kinds in results[0]["kernels"].items():  # float16 has no Triton kernel: the FFI one ran it
     assert kinds == (["ffi"] if case.startswith("float16") or kernels == "ffi" else ["triton"]), (case, kinds)
@@ -97,7 +98,6 @@ def test_the_drop_in_cases_match_float64(gpu_rig, n):
 @pytest.mark.parametrize("op", ["all_reduce", "dcp_a2a", "residual_rmsnorm"])
 @pytest.mark.parametrize("n", WORLDS)
 def test_a_rank_that_never_calls_gives_the_others_the_timeout_error_and_nan(gpu_rig, n, op):
-  # The fused op's row of 4096 float32 words: on sm_90 two blocks of a cluster, which meet also where they fail.
   check_never_calls(gpu_rig("never_calls", n, "--timeout", "2", "--op", op), "2", "cuda")
 
 
@@ -107,14 +107,14 @@ def test_independent_calls_on_one_channel_run_in_program_order(gpu_rig, n, graph
   # Graphs on: XLA captures the calls in a CUDA graph, whose commands it
   # orders by its schedule, which follows the channel's token.
   for r in gpu_rig("independent", n, env=GRAPHS_OFF if graphs == "off" else None, hard_timeout=240):
-    assert r == {"wrong": 0, "results": 20 * 32}, r
+    assert r == {"wrong": 0, "results": 20 * 32, "taken": expected_taken("all_reduce", "lamport")}, r
 
 
 @pytest.mark.parametrize("kernels", ["ffi", "triton"])
 @pytest.mark.parametrize("op", ["dcp_a2a", "residual_rmsnorm"])
 def test_independent_merges_and_fused_calls_run_in_program_order(gpu_rig, op, kernels):
   for r in gpu_rig("independent", 2, "--op", op, communicator={"kernels": kernels}, hard_timeout=240):
-    assert r == {"wrong": 0, "results": 20 * 32}, r
+    assert r == {"wrong": 0, "results": 20 * 32, "taken": expected_taken(op, "lamport", kernels)}, r
 
 
 @pytest.mark.parametrize("graphs", ["on", "off"])
@@ -145,7 +145,8 @@ def test_cached_executables_across_release_and_prepare_touch_no_freed_memory(gpu
   assert len(logs) >= 2 and all("ERROR SUMMARY: 0 errors" in log for log in logs), logs  # memcheck ran, found none
 
 
-@pytest.mark.parametrize("op, options", REPREPARED[1:], ids=[f"{op}-{o}" for op, o in REPREPARED[1:]])
+@pytest.mark.parametrize("op, options", [case for case in REPREPARED if case != ("all_reduce", {})],
+                         ids=[i for case, i in zip(REPREPARED, REPREPARED_IDS) if case != ("all_reduce", {})])
 def test_cached_executables_of_every_protocol_stay_right_across_release_and_prepare(gpu_rig, op, options):
   # Replayed from their graphs; the all_reduce's default run is the memcheck test's above.
   check_reprepared(gpu_rig("reprepare", 2, "--op", op, communicator=options), op, options)

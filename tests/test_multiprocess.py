@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import mount_namespace, tag_error
+from helpers import expected_taken, mount_namespace, tag_error
 
 import b12x_jax
 from b12x_jax import rendezvous
@@ -262,22 +262,27 @@ def test_close_twice_is_harmless_and_keeps_the_memory_executables_may_point_at(m
 REPREPARED = [("all_reduce", {}), ("all_reduce", {"algorithm": "two_shot"}),
               ("all_reduce", {"algorithm": "one_shot_pull"}), ("dcp_a2a", {}), ("dcp_a2a", {"lamport_bytes": 0}),
               ("residual_rmsnorm", {}), ("residual_rmsnorm", {"lamport_bytes": 0})]
+REPREPARED_IDS = ["-".join([op, *map(str, options.values())]) for op, options in REPREPARED]
 
 
 def check_reprepared(results: list[dict], op: str, options: dict) -> None:
   """reprepare mode: every call right (checked in the worker), the ranks'
   bits identical where they hold the same result (all but dcp_a2a's head
-  shards), the path each took, and a fresh channel after the last prepare."""
+  shards), the calls on the protocols asked for, and a fresh channel after
+  the last prepare."""
   calls = {"all_reduce": 12, "dcp_a2a": 6, "residual_rmsnorm": 6}[op]
   assert all(len(r["hashes"]) == calls for r in results), results
   assert op == "dcp_a2a" or all(r["hashes"] == results[0]["hashes"] for r in results), results
-  fused_path = "unfused" if op == "residual_rmsnorm" and options.get("lamport_bytes") == 0 else "b12x"
-  op_name = "all_reduce_residual_rmsnorm" if op == "residual_rmsnorm" else op
-  assert all([op_name, fused_path] in r["paths"] for r in results), results
+  algorithm = options.get("algorithm", "one_shot")
+  if op == "all_reduce":  # 16 KiB within the Lamport window, 2 MiB above it
+    want = sorted(expected_taken(op, "lamport") + expected_taken(op, algorithm), key=str)
+  else:
+    want = expected_taken(op, "lamport" if options.get("lamport_bytes") != 0 else algorithm)
+  assert all(r["taken"] == want for r in results), (want, results)
   assert {r["epoch"] for r in results} == {0}, results
 
 
-@pytest.mark.parametrize("op, options", REPREPARED, ids=[f"{op}-{o}" for op, o in REPREPARED])
+@pytest.mark.parametrize("op, options", REPREPARED, ids=REPREPARED_IDS)
 def test_cached_executables_stay_right_across_release_and_prepare(multiprocess, op, options):
   check_reprepared(multiprocess("reprepare", 2, "--op", op, "--communicator", json.dumps(options)), op, options)
 
@@ -581,7 +586,7 @@ def test_a_compiled_executable_after_release_and_prepare_takes_the_new_preparati
 @pytest.mark.parametrize("n", [2, 4])
 def test_independent_calls_on_one_channel_run_in_program_order_across_processes(multiprocess, n, op):
   for r in multiprocess("independent", n, "--op", op, hard_timeout=240):
-    assert r == {"wrong": 0, "results": 20 * 32}, r
+    assert r == {"wrong": 0, "results": 20 * 32, "taken": expected_taken(op, "lamport")}, r
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -434,7 +434,8 @@ def order_mode(args) -> dict:
   ``devices`` ranks (on the protocol of ``lamport_bytes`` and ``algorithm``,
   outputs poisoned), run ``runs`` times on fresh integer inputs: a call
   paired with another call's data (DESIGN C15) shows up as a wrong value.
-  Returns how many results were wrong."""
+  Returns how many results were wrong, and the calls taken
+  (helpers.calls_taken)."""
   import jax
   import numpy as np
   from jax.sharding import NamedSharding
@@ -442,12 +443,12 @@ def order_mode(args) -> dict:
 
   import b12x_jax
   sys.path.insert(0, os.path.dirname(__file__))
-  from helpers import independent_calls, independent_wrong, integer_shards
+  from helpers import calls_taken, independent_calls, independent_wrong, integer_shards
   n = args.devices
   b12x_jax.set_communicator(b12x_jax.Communicator(lamport_bytes=args.lamport_bytes, algorithm=args.algorithm,
                                                   poison_outputs=True))
   mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
-  fn = jax.jit(jax.shard_map(independent_calls(args.calls, args.op, n), mesh=mesh, in_specs=P(None, "x"),
+  fn = jax.jit(jax.shard_map(independent_calls(args.calls, args.op), mesh=mesh, in_specs=P(None, "x"),
                              out_specs=P(None, "x"), check_vma=False))
   rng = np.random.default_rng(args.seed)
   wrong = 0
@@ -457,8 +458,8 @@ def order_mode(args) -> dict:
       x = jax.device_put(shards.reshape(args.calls, -1), NamedSharding(mesh, P(None, "x")))
       wrong += independent_wrong(args.op, np.asarray(fn(x)).reshape(args.calls, n, args.elems), shards)
   b12x_jax.check_errors()
-  paths = sorted({d.path for d in b12x_jax.get_communicator().decisions})
-  return {"wrong": wrong, "results": args.runs * args.calls * n, "paths": paths}
+  return {"wrong": wrong, "results": args.runs * args.calls * n,
+          "taken": calls_taken(b12x_jax.get_communicator().decisions)}
 
 
 def exit_busy_mode(args) -> dict:
