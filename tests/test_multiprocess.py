@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import expected_taken, mount_namespace, tag_error
+from helpers import INDEPENDENT_OPS, expected_taken, mount_namespace, tag_error
 
 import b12x_jax
 from b12x_jax import rendezvous
@@ -582,7 +582,7 @@ def test_a_compiled_executable_after_release_and_prepare_takes_the_new_preparati
     assert all(got == {"right": True, "messages": []} for got in r.values()), r
 
 
-@pytest.mark.parametrize("op", ["all_reduce", "dcp_a2a", "residual_rmsnorm"])
+@pytest.mark.parametrize("op", INDEPENDENT_OPS)
 @pytest.mark.parametrize("n", [2, 4])
 def test_independent_calls_on_one_channel_run_in_program_order_across_processes(multiprocess, n, op):
   for r in multiprocess("independent", n, "--op", op, hard_timeout=240):

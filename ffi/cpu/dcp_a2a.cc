@@ -146,9 +146,13 @@ std::string check_call(const RankHandle& handle, const ffi::AnyBuffer& x, const 
   if (!problem.empty()) return problem;
   plan = plan_dcp_call(shape, v, 1);
   if (plan.grid == 0) return dcp_capacity_message(shape, v.layout);
-  auto lse_out = rets.get<ffi::AnyBuffer>(0);  // holds the buffer merged_lse points to; read where return_lse
-  if (return_lse && !lse_out.has_value()) return "b12x_jax.dcp_a2a: the merged lse result is not a buffer";
-  const ffi::AnyBuffer* merged_lse = return_lse ? &**lse_out : nullptr;
+  std::optional<ffi::AnyBuffer> lse_out;  // only looked up where asked: a missing result costs an error string
+  if (return_lse) {
+    auto found = rets.get<ffi::AnyBuffer>(0);
+    if (!found.has_value()) return "b12x_jax.dcp_a2a: the merged lse result is not a buffer";
+    lse_out.emplace(**found);
+  }
+  const ffi::AnyBuffer* merged_lse = lse_out ? &*lse_out : nullptr;
   problem = dcp_results_problem(x, y, merged_lse, shape);
   if (!problem.empty() || merged_lse == nullptr) return problem;
   out_lse = static_cast<float*>(merged_lse->untyped_data());

@@ -266,9 +266,13 @@ ffi::Error DcpA2aCuda(cudaStream_t stream, int32_t ordinal, ffi::Token, ffi::Any
   if (!problem.empty()) return ffi::Error::InvalidArgument(problem);
   const DcpPlan plan = plan_dcp_call(s, v, want_grid(s));
   if (plan.grid == 0) return ffi::Error::InvalidArgument(dcp_capacity_message(s, v.layout));
-  auto lse_out = rets.get<ffi::AnyBuffer>(0);  // holds the buffer merged_lse points to; read where return_lse
-  if (return_lse && !lse_out.has_value()) return lse_out.error();
-  const ffi::AnyBuffer* merged_lse = return_lse ? &**lse_out : nullptr;
+  std::optional<ffi::AnyBuffer> lse_out;  // only looked up where asked: a missing result costs an error string
+  if (return_lse) {
+    auto found = rets.get<ffi::AnyBuffer>(0);
+    if (!found.has_value()) return found.error();
+    lse_out.emplace(**found);
+  }
+  const ffi::AnyBuffer* merged_lse = lse_out ? &*lse_out : nullptr;
   const std::string results = dcp_results_problem(x, *y, merged_lse, s);
   if (!results.empty()) return ffi::Error::InvalidArgument(results);
   float* out_lse = merged_lse == nullptr ? nullptr : static_cast<float*>(merged_lse->untyped_data());
