@@ -589,7 +589,6 @@ def get_communicator() -> Communicator:
 def set_communicator(communicator: Communicator) -> None:
   """Makes ``communicator`` the one collectives use from now on. The previous
   one must hold no prepared channel: close() it first."""
-  global _active
   if not isinstance(communicator, Communicator):
     raise TypeError(f"set_communicator: expected a Communicator, got {type(communicator).__name__}")
   with _active_lock:

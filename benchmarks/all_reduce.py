@@ -182,7 +182,7 @@ def main() -> None:
   big = [s for s in sizes if s >= 1 << 20]
   if big:
     n = args.devices
-    print(f"\nbus bandwidth, GB/s (2(N-1)/N * size / time)" +
+    print("\nbus bandwidth, GB/s (2(N-1)/N * size / time)" +
           (f"; GPU0 -> GPU1 peer copy: {peer_copy_gbps():.0f} GB/s" if gpu_count() >= 2 else ""))
     print("| size | " + " | ".join(columns) + " |")
     print("|---|" + "---|" * len(columns))

@@ -72,7 +72,6 @@ def _run(fn, mesh, shards):
 def _check(fn, mesh, rng, elems, dtype_name, roundings=1) -> str:
   """One call on fresh shards, checked against float64 here; returns the
   hash of this process's output bits, for the test to compare."""
-  import jax
   from helpers import DTYPES, assert_sum_matches, random_shards
   from b12x_jax import _native
   shards = random_shards(rng, mesh.size, elems, DTYPES[dtype_name])
@@ -115,6 +114,31 @@ def _assert_head_shard(got, got_lse, outs, want, want_lse, mine: slice, dtype: s
   from helpers import assert_merge_matches
   assert_merge_matches(got[None], None if got_lse is None else got_lse[None], outs[:, :, mine], want[:, mine],
                        want_lse[:, mine], dtype)
+
+
+def _merge_here(fn, mesh, rng, batch: int, per_rank: int, dim: int, dtype: str = "bfloat16", **shards):
+  """One call of ``fn`` (jitted dcp_a2a over "x" on ``mesh``, with or
+  without the merged lse) on fresh partials (helpers.attention_shards with
+  ``shards``), this process's device fed the partials of its position in
+  ``mesh``. Returns the merged out and lse (None without it) and a check of
+  them against full attention on that position's head shard
+  (_assert_head_shard)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from helpers import attention_shards
+  n = mesh.devices.size
+  position = list(mesh.devices.flat).index(jax.local_devices()[0])
+  outs, lses, want, want_lse = attention_shards(rng, n, batch, per_rank * n, dim, jnp.dtype(dtype), **shards)
+  o, l = (jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), a[position]) for a in (outs, lses))
+  results = fn(o, l)
+  got, got_lse = (np.asarray(r.addressable_shards[0].data) for r in results) if isinstance(results, tuple) else (
+      np.asarray(results.addressable_shards[0].data), None)
+  mine = slice(position * per_rank, (position + 1) * per_rank)
+  return got, got_lse, lambda: _assert_head_shard(got, got_lse, outs, want, want_lse, mine, dtype)
 
 
 # -- modes -----------------------------------------------------------------------
@@ -162,7 +186,6 @@ def capacity_edge_mode(args) -> dict:
   """all_reduce of payloads at the edge of the capacity and of the Lamport
   window under EDGE_CONFIGS, checked against float64 on every process.
   Returns the protocol each config's payload took."""
-  import jax
   import numpy as np
 
   import b12x_jax
@@ -291,14 +314,11 @@ def dcp_mode(args) -> dict:
   included). Returns each case's kernels and protocols and the channel's
   epoch."""
   import jax
-  import jax.numpy as jnp
   import numpy as np
-  from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   import b12x_jax
   from b12x_jax import _compat
-  from helpers import attention_shards
   comm = _communicator(args)
   b12x_jax.set_communicator(comm)
   mesh = _mesh()
@@ -318,15 +338,10 @@ def dcp_mode(args) -> dict:
     for return_lse, base in DCP_VARIANTS:
       for dtype, batch, per_rank, dim in DCP_CASES:
         heads = per_rank * n
-        mine = slice(me * per_rank, (me + 1) * per_rank)
-        outs, lses, want, want_lse = attention_shards(rng, n, batch, heads, dim, jnp.dtype(dtype),
-                                                      base2=base == "2", empty=((0, 0, 0),))
-        o, l = (jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), a[me]) for a in (outs, lses))
         decided = len(comm.decisions)
-        results = fns[return_lse, base](o, l)
-        got, got_lse = (np.asarray(r.addressable_shards[0].data) for r in results) if return_lse else (
-            np.asarray(results.addressable_shards[0].data), None)
-        _assert_head_shard(got, got_lse, outs, want, want_lse, mine, dtype)
+        *_, check = _merge_here(fns[return_lse, base], mesh, rng, batch, per_rank, dim, dtype,
+                                base2=base == "2", empty=((0, 0, 0),))
+        check()
         # Each variant traced once per shape: its decisions.
         for decision in comm.decisions[decided:]:
           assert decision.path == "b12x", decision
@@ -485,7 +500,7 @@ def misplaced_export_mode(args) -> dict:
   from jax.sharding import PartitionSpec as P
 
   import b12x_jax
-  from helpers import attention_shards, run_to_its_error
+  from helpers import run_to_its_error
   comm = _communicator(args, timeout_s=args.timeout, setup_timeout_s=args.timeout, poison_outputs=True)
   b12x_jax.set_communicator(comm)
   n, me = jax.device_count(), jax.process_index()
@@ -502,14 +517,9 @@ def misplaced_export_mode(args) -> dict:
   rng = np.random.default_rng(0)  # the same shards in every process
 
   def run(mesh):
-    """This process's results on fresh inputs, and what they must be: full
+    """This process's results on fresh inputs, and their check: full
     attention on the head shard of this device's position in ``mesh``."""
-    outs, lses, want, want_lse = attention_shards(rng, n, batch, per_rank * n, dim, jnp.bfloat16)
-    position = list(mesh.devices.flat).index(jax.local_devices()[0])
-    o, l = (jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), a[position]) for a in (outs, lses))
-    mine = slice(position * per_rank, (position + 1) * per_rank)
-    got, got_lse = (np.asarray(r.addressable_shards[0].data) for r in call(o, l))
-    return got, got_lse, lambda: _assert_head_shard(got, got_lse, outs, want, want_lse, mine)
+    return _merge_here(call, mesh, rng, batch, per_rank, dim)
 
   *_, check = run(exported_on)
   check()
@@ -939,13 +949,12 @@ def _reprepare_check(op: str, mesh, rng):
   [4, 8 heads per rank, 128] with the merged lse; the fused op: float32 8 x
   1024 (fused within the window, else its unfused path)."""
   import jax
-  import jax.numpy as jnp
   import numpy as np
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   import b12x_jax
-  from helpers import assert_residual_rmsnorm_matches, attention_shards, residual_rmsnorm_fn, residual_rmsnorm_inputs
+  from helpers import assert_residual_rmsnorm_matches, residual_rmsnorm_fn, residual_rmsnorm_inputs
   n, me = jax.device_count(), jax.process_index()
   digest = lambda *arrays: hashlib.sha256(b"".join(a.tobytes() for a in arrays)).hexdigest()  # noqa: E731
   local = lambda a, spec: jax.make_array_from_process_local_data(NamedSharding(mesh, spec), a)  # noqa: E731
@@ -957,10 +966,8 @@ def _reprepare_check(op: str, mesh, rng):
                                   in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x"))))
 
     def check_merge():
-      outs, lses, want, want_lse = attention_shards(rng, n, 4, 8 * n, 128, jnp.bfloat16, empty=((0, 0, 0),))
-      got, got_lse = (np.asarray(r.addressable_shards[0].data) for r in merge(local(outs[me], P("x")),
-                                                                              local(lses[me], P("x"))))
-      _assert_head_shard(got, got_lse, outs, want, want_lse, slice(me * 8, (me + 1) * 8))
+      got, got_lse, check = _merge_here(merge, mesh, rng, 4, 8, 128, empty=((0, 0, 0),))
+      check()
       return [digest(got, got_lse)]
     return check_merge
   fused = residual_rmsnorm_fn(mesh)

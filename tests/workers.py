@@ -488,7 +488,6 @@ def wide_mode(args) -> dict:
   results and decisions; and the native layer's own refusal of such a
   group and of a capacity above its limit, asked directly."""
   import jax
-  import jax.numpy as jnp
   import numpy as np
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P

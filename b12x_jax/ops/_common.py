@@ -118,7 +118,7 @@ def why_not_concrete(arg: str, x: jax.Array) -> tuple[str, str] | None:
   if all(isinstance(d, (int, np.integer)) for d in x.shape):
     return None
   return (f"{arg} has a symbolic shape [{', '.join(map(str, x.shape))}] (jax.export shape polymorphism); a b12x "
-          f"call is planned for concrete sizes", f"Export with concrete shapes (one export per size) for b12x")
+          f"call is planned for concrete sizes", "Export with concrete shapes (one export per size) for b12x")
 
 
 def empty_result(shape: tuple[int, ...], dtype, axes) -> jax.Array:
