@@ -74,6 +74,7 @@ VARIANTS=(
   "triton: the all_reduce's blocks of 1024 words or fewer on 2 warps, not 4|$A|s/warps = warps_for(plan.block_words, 4 if plan.block_words <= 1024 else 8)/warps = warps_for(plan.block_words, 2 if plan.block_words <= 1024 else 8)/"
   "triton: the fused op's 4096-word rows in one program of 16 warps (no meeting)|$R|s/^SPLIT_ROW_WORDS = 4096$/SPLIT_ROW_WORDS = 8192/; s/warps = warps_for(W, wide_warps(W \* plan.world))/warps = warps_for(W, 16 if W >= 4096 else wide_warps(W * plan.world))/"
   "triton: the fused op's 4096-word rows in one program of 8 warps (no meeting)|$R|s/^SPLIT_ROW_WORDS = 4096$/SPLIT_ROW_WORDS = 8192/; s/warps = warps_for(W, wide_warps(W \* plan.world))/warps = warps_for(W, 8 if W >= 4096 else wide_warps(W * plan.world))/"
+  "triton: the fused op's 4096-word rows over 2 programs, not 4|$R|s/^MIN_SPLIT_WORDS = 1024$/MIN_SPLIT_WORDS = 2048/"
   "triton: the fused op with twice the warps at 8 rows or more|$R|s/warps = warps_for(W, wide_warps(W \* plan.world))/warps = warps_for(W, (2 if words.size \/\/ W >= 8 * split else 1) * wide_warps(W * plan.world))/"
 )
 # Other trees' folders (in the variable named $1, separated by ":") that each hold $2: a build
